@@ -18,7 +18,7 @@ class Chunk:
     last: bool
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduleOutput:
     """What one step computes: decodes (one token each) first, then prefill chunks."""
 
@@ -33,7 +33,7 @@ class ScheduleOutput:
 
 @dataclass(frozen=True)
 class ForwardSeq:
-    """One sequence of the mixed batch: `tokens` at absolute positions `start ..`, K/V through `block_table`."""
+    """One sequence of the mixed batch: `tokens` at absolute positions `start ..`; K/V via `block_table`."""
 
     request_id: RequestId
     tokens: Sequence[int]

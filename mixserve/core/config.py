@@ -1,0 +1,27 @@
+"""The scheduler's configuration: token budget, concurrency cap and KV cache geometry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one engine step and of the KV cache; every field must be a positive integer."""
+
+    max_batch_tokens: int
+    max_num_seqs: int = 256
+    block_size: int = 16
+    num_blocks: int = 1024
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            # bool is an int subclass; True as a budget is a mistake, not a 1
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"SchedulerConfig.{f.name} must be a positive integer, got {value!r}")
+
+    @property
+    def num_slots(self) -> int:
+        """Token positions the whole KV cache can hold."""
+        return self.num_blocks * self.block_size

@@ -1,0 +1,32 @@
+"""From a schedule to what the runner computes: the mixed batch and the logits rows to sample."""
+
+from __future__ import annotations
+
+from mixserve.core.batch import ForwardBatch, ForwardSeq, ScheduleOutput, StepPlan
+from mixserve.core.scheduler import Scheduler
+
+
+def plan(s: Scheduler, out: ScheduleOutput) -> StepPlan:
+    """One ForwardSeq per decode, then one per chunk, in `out`'s order; sample decodes and `last` chunks."""
+    seqs: list[ForwardSeq] = []
+    sample = []
+    for rid in out.decodes:
+        n = s.num_tokens(rid)
+        # The newest token goes in at n - 1: position n does not exist yet (it is what we sample).
+        seqs.append(ForwardSeq(rid, s.token_span(rid, n - 1, n), n - 1, tuple(s.block_table(rid))))
+        sample.append((len(seqs) - 1, rid))
+    for c in out.chunks:
+        tokens = s.token_span(c.request_id, c.start, c.start + c.length)
+        seqs.append(ForwardSeq(c.request_id, tokens, c.start, tuple(s.block_table(c.request_id))))
+        # A middle chunk's last row predicts a token the prompt already has: computed, then dropped.
+        if c.last:
+            sample.append((len(seqs) - 1, c.request_id))
+    return StepPlan(ForwardBatch(seqs), sample)
+
+
+def split(n: int, chunk: int) -> list[tuple[int, int]]:
+    """(start, length) pairs covering 0..n in chunks of `chunk` (0 counts as 1); the last may be short."""
+    if n < 0:
+        raise ValueError(f"split: n must be >= 0, got {n}")
+    chunk = max(chunk, 1)
+    return [(start, min(chunk, n - start)) for start in range(0, n, chunk)]

@@ -1,0 +1,260 @@
+"""The mixed-batch scheduler: each step, decodes first, then prefill chunks, within one token budget."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
+
+from mixserve.core.batch import Chunk, RequestId, ScheduleOutput
+from mixserve.core.blocks import BlockPool, BlockSpace
+from mixserve.core.config import SchedulerConfig
+from mixserve.core.policy import PrefillPolicy, WholePrompt
+from mixserve.core.request import Request, Status
+from mixserve.core.stats import SchedulerStats
+
+# Finished requests stay readable (output, tokens) until this many newer ones have finished, or until
+# abort() forgets them, so that a long-running server does not keep every answer forever.
+MAX_FINISHED_KEPT = 10_000
+
+
+class _Step:
+    """The step being built: what is scheduled so far, and the budget it leaves."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.decodes: dict[RequestId, None] = {}  # dicts: ordered, and a preempted entry leaves in O(1)
+        self.chunks: dict[RequestId, Chunk] = {}
+        self.preempted: list[RequestId] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(c.length for c in self.chunks.values())
+
+    @property
+    def budget_left(self) -> int:
+        # A prompt running alone may exceed the budget; what is left is then 0, never negative.
+        return max(0, self.budget - self.num_tokens)
+
+    @property
+    def alone(self) -> bool:
+        return not self.decodes and not self.chunks
+
+    def drop(self, rid: RequestId) -> None:
+        self.decodes.pop(rid, None)
+        self.chunks.pop(rid, None)
+
+    def output(self) -> ScheduleOutput:
+        return ScheduleOutput(list(self.decodes), list(self.chunks.values()), self.preempted)
+
+
+class Scheduler:
+    """Decides what each engine step computes and owns every request's KV blocks."""
+
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockSpace | None = None) -> None:
+        self.cfg = cfg
+        self.blocks: BlockSpace = blocks if blocks is not None else BlockPool(cfg.num_blocks)
+        self.policy: PrefillPolicy = WholePrompt()
+        self._requests: dict[RequestId, Request] = {}
+        self._waiting: deque[Request] = deque()  # arrival order; preempted requests go back in front
+        self._running: list[Request] = []  # admission order: the last one is preempted first
+        self._finished: OrderedDict[RequestId, None] = OrderedDict()
+        self._num_preemptions = 0
+        self._last_step = ScheduleOutput()
+
+    def with_prefill_policy(self, policy: PrefillPolicy) -> Scheduler:
+        """Use `policy` for every prefill from now on; returns self."""
+        self.policy = policy
+        return self
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request_id: RequestId, prompt: Sequence[int], max_tokens: int) -> None:
+        """Queue a request; ValueError if it is empty, asks for < 1 token, reuses an id or can never fit."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(prompt) == 0:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if max_tokens < 1:
+            raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
+        if len(prompt) + max_tokens > self.cfg.num_slots:
+            raise ValueError(
+                f"request {request_id!r}: prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the "
+                f"KV cache ({self.cfg.num_blocks} blocks x {self.cfg.block_size} tokens)"
+            )
+        r = Request(request_id, [int(t) for t in prompt], len(prompt), max_tokens)
+        self._requests[request_id] = r
+        self._waiting.append(r)
+
+    def finish(self, request_id: RequestId) -> None:
+        """End a request early (EOS, stop string): frees its blocks; its output stays readable."""
+        r = self._get(request_id)
+        if r.status is not Status.FINISHED:
+            self._finish(r)
+
+    def abort(self, request_id: RequestId) -> None:
+        """Drop a request (client gone, or a finished one no longer needed): frees its blocks."""
+        r = self._get(request_id)
+        self._release(r)
+        del self._requests[request_id]
+        self._finished.pop(request_id, None)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduleOutput:
+        """Choose this step's decodes and chunks and allocate the KV blocks of every position they write."""
+        step = _Step(self.cfg.max_batch_tokens)
+        # 1. Decodes, one token each, oldest first.
+        for r in list(self._running):
+            if r.status is Status.RUNNING and r.is_decode_ready and step.budget_left > 0:
+                if self._reserve(r, len(r.tokens), step):
+                    step.decodes[r.request_id] = None
+                    r.num_computed += 1
+        # 2. Requests part-way through their prefill, oldest first.
+        for r in list(self._running):
+            if r.status is Status.RUNNING and r.is_prefilling:
+                if self._schedule_chunk(r, step) == 0:
+                    break
+        # 3. Waiting requests in arrival order; one that cannot start holds back those behind it.
+        while self._waiting and len(self._running) < self.cfg.max_num_seqs:
+            r = self._waiting[0]
+            if r.request_id in step.preempted:  # it just gave its blocks back: not again this step
+                break
+            r.prefill_end = len(r.tokens)
+            if self._schedule_chunk(r, step) == 0:
+                break
+        self._last_step = step.output()
+        return self._last_step
+
+    def _schedule_chunk(self, r: Request, step: _Step) -> int:
+        """Give `r` its next chunk under the policy; returns its length (0: it must wait)."""
+        remaining = r.prefill_end - r.num_computed
+        budget_left, alone = step.budget_left, step.alone
+        length = self.policy.chunk_len(remaining, budget_left, alone)
+        if not 0 <= length <= remaining or (length > budget_left and not alone):
+            raise ValueError(
+                f"{type(self.policy).__name__}.chunk_len({remaining}, {budget_left}, {alone}) "
+                f"returned {length}: out of range"
+            )
+        if length == 0:
+            return 0
+        admitting = r.status is Status.WAITING
+        # A waiting request only takes free blocks: preempting for it would just preempt someone else.
+        if not self._reserve(r, r.num_computed + length, step, may_preempt=not admitting):
+            return 0
+        if admitting:
+            self._waiting.popleft()
+            r.status = Status.RUNNING
+            self._running.append(r)
+        start = r.num_computed
+        step.chunks[r.request_id] = Chunk(r.request_id, start, length, start + length == len(r.tokens))
+        r.num_computed += length
+        return length
+
+    def _reserve(self, r: Request, upto: int, step: _Step, may_preempt: bool = True) -> bool:
+        """Give `r` blocks for positions < upto, preempting the newest running requests if need be.
+
+        Returns False if that is impossible: blocks are short and preempting is not allowed, or `r`
+        itself was the newest and has been preempted.
+        """
+        need = -(-upto // self.cfg.block_size) - len(r.block_table)
+        while need > self.blocks.num_free():
+            if not may_preempt:
+                return False
+            victim = self._running[-1]
+            self._preempt(victim, step)
+            if victim is r:
+                return False
+        if need > 0:
+            r.block_table.extend(self.blocks.allocate(need))
+        return True
+
+    def _preempt(self, r: Request, step: _Step) -> None:
+        """Recompute later: give back every block, forget the K/V, wait at the front of the queue."""
+        step.drop(r.request_id)
+        step.preempted.append(r.request_id)
+        self._release(r)
+        r.status = Status.WAITING
+        self._waiting.appendleft(r)
+        self._num_preemptions += 1
+
+    def update(self, out: ScheduleOutput, sampled: Mapping[RequestId, int]) -> list[RequestId]:
+        """Append each sampled token; returns the requests that reached max_tokens in this step."""
+        rows = [*out.decodes, *(c.request_id for c in out.chunks if c.last)]
+        extra = set(sampled) - set(rows)
+        if extra:
+            raise ValueError(f"sampled tokens for requests with no sampled row this step: {sorted(extra)}")
+        finished = []
+        for rid in rows:
+            r = self._requests.get(rid)
+            if r is None or r.status is not Status.RUNNING:
+                continue  # finished or aborted after the step was scheduled
+            if rid not in sampled:
+                raise ValueError(f"no sampled token for request {rid!r}")
+            r.tokens.append(int(sampled[rid]))
+            if r.num_generated >= r.max_tokens:
+                self._finish(r)
+                finished.append(rid)
+        return finished
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+
+    def _get(self, request_id: RequestId) -> Request:
+        r = self._requests.get(request_id)
+        if r is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        return r
+
+    def _release(self, r: Request) -> None:
+        """Take `r` out of the queues and give its blocks back; its K/V are gone."""
+        if r.status is Status.RUNNING:
+            self._running.remove(r)
+        elif r.status is Status.WAITING:
+            self._waiting.remove(r)
+        self.blocks.free(r.block_table)
+        r.block_table = []
+        r.num_computed = 0
+
+    def _finish(self, r: Request) -> None:
+        self._release(r)
+        r.status = Status.FINISHED
+        self._finished[r.request_id] = None
+        if len(self._finished) > MAX_FINISHED_KEPT:
+            oldest, _ = self._finished.popitem(last=False)
+            del self._requests[oldest]
+
+    # ---- reading state -------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def tokens(self, request_id: RequestId) -> list[int]:
+        """Prompt + generated so far."""
+        return list(self._get(request_id).tokens)
+
+    def num_tokens(self, request_id: RequestId) -> int:
+        """len(tokens(request_id)) without the copy."""
+        return len(self._get(request_id).tokens)
+
+    def token_span(self, request_id: RequestId, start: int, stop: int) -> list[int]:
+        """tokens(request_id)[start:stop] without copying the rest."""
+        return self._get(request_id).tokens[start:stop]
+
+    def output(self, request_id: RequestId) -> list[int]:
+        """Generated so far; still readable once the request finished."""
+        r = self._get(request_id)
+        return r.tokens[r.prompt_len :]
+
+    def block_table(self, request_id: RequestId) -> list[int]:
+        return list(self._get(request_id).block_table)
+
+    def stats(self) -> SchedulerStats:
+        last = self._last_step
+        return SchedulerStats(
+            num_requests_running=len(self._running),
+            num_requests_waiting=len(self._waiting),
+            num_blocks=self.cfg.num_blocks,
+            num_free_blocks=self.blocks.num_free(),
+            num_preemptions=self._num_preemptions,
+            step_decode_tokens=len(last.decodes),
+            step_prefill_tokens=last.num_tokens - len(last.decodes),
+        )

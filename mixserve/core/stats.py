@@ -1,0 +1,27 @@
+"""Scheduler statistics: a snapshot for the metrics layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Requests running and waiting, KV cache use, preemptions so far, and the last step's tokens."""
+
+    num_requests_running: int
+    num_requests_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    num_preemptions: int  # since the scheduler was built (a counter)
+    step_decode_tokens: int  # in the last scheduled step
+    step_prefill_tokens: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks held, 0.0 .. 1.0."""
+        return (self.num_blocks - self.num_free_blocks) / self.num_blocks
+
+    @property
+    def step_tokens(self) -> int:
+        return self.step_decode_tokens + self.step_prefill_tokens
