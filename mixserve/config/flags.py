@@ -1,0 +1,55 @@
+"""The engine flags every subcommand shares (`--prefill-chunk`, ...): they override runtime.toml."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from mixserve.config.loader import ConfigError, load_config
+from mixserve.config.runtime_config import RuntimeConfig
+
+# flag -> ([engine] key, parser of the raw string). Values are parsed here, not by argparse, so a bad
+# value becomes one ConfigError line (exit code 2) instead of argparse's usage block.
+ENGINE_FLAGS: dict[str, tuple[str, type]] = {
+    "--model": ("model", str),
+    "--prefill-chunk": ("prefill_chunk", int),
+    "--max-batch-tokens": ("max_batch_tokens", int),
+    "--max-num-seqs": ("max_num_seqs", int),
+    "--block-size": ("block_size", int),
+    "--num-blocks": ("num_blocks", int),
+    "--max-model-len": ("max_model_len", int),
+    "--step-trace": ("step_trace", str),
+    "--attention-backend": ("attention_backend", str),
+    "--threads": ("threads", int),
+    "--device": ("device", str),
+    "--dtype": ("dtype", str),
+    "--seed": ("seed", int),
+}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Add `--config FILE` and one flag per [engine] key; unset flags keep the file's values."""
+    parser.add_argument("--config", metavar="FILE", default=None, help="runtime.toml to read")
+    group = parser.add_argument_group("engine (override the [engine] table of --config)")
+    for flag, (key, kind) in ENGINE_FLAGS.items():
+        group.add_argument(flag, dest=f"engine_{key}", metavar="INT" if kind is int else "STR",
+                           default=None, help=f"[engine].{key}")
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The nested overrides (`{"engine": {...}}`) given on the command line; raises ConfigError."""
+    engine: dict[str, Any] = {}
+    for flag, (key, kind) in ENGINE_FLAGS.items():
+        raw = getattr(args, f"engine_{key}", None)
+        if raw is None:
+            continue
+        try:
+            engine[key] = kind(raw)
+        except ValueError:
+            raise ConfigError(f"{flag}: must be an integer, got {raw!r}") from None
+    return {"engine": engine}
+
+
+def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
+    """`load_config(args.config, overrides_from_args(args))`: what a subcommand starts from."""
+    return load_config(getattr(args, "config", None), overrides_from_args(args))

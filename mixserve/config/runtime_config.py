@@ -1,0 +1,44 @@
+"""The configuration dataclasses: the keys and defaults of runtime.toml (DESIGN.md section 3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The `[engine]` table: scheduling, KV cache, model and device."""
+
+    model: str = ""
+    prefill_chunk: int = 256
+    max_batch_tokens: int = 512
+    max_num_seqs: int = 64
+    block_size: int = 16
+    num_blocks: int = 0
+    cpu_kv_cache_gib: float = 2
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int = 0
+    step_trace: str = ""
+    attention_backend: str = "auto"
+    threads: int = 0
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The `[server]` table: where the HTTP server listens and how much it queues."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str = ""
+    max_waiting: int = 1024
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """The whole runtime.toml."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
