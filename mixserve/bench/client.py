@@ -1,0 +1,129 @@
+"""The load client: sends each request at its arrival offset and timestamps every streamed token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+
+import httpx
+from tqdm import tqdm
+
+from mixserve.bench.report import RequestResult
+from mixserve.bench.workload import RequestSpec
+
+COMPLETIONS_PATH = "/v1/completions"
+
+
+def base_url(url: str) -> str:
+    """The server's root from either its root or its /v1/completions URL."""
+    url = url.rstrip("/")
+    for suffix in (COMPLETIONS_PATH, "/v1"):
+        if url.endswith(suffix):
+            return url[: -len(suffix)]
+    return url
+
+
+def request_body(spec: RequestSpec, model: str) -> dict:
+    """A greedy streaming /v1/completions body that asks for exactly spec.output_len tokens."""
+    return {
+        "model": model,
+        "prompt": spec.prompt,
+        "max_tokens": spec.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+
+
+def _is_token_chunk(choices: list[dict]) -> bool:
+    # A chunk carrying only a finish_reason and no text is an end marker, not a token.
+    return any(c.get("text") or c.get("finish_reason") is None for c in choices)
+
+
+async def stream_one(
+    client: httpx.AsyncClient, url: str, model: str, spec: RequestSpec, t0: float
+) -> RequestResult:
+    """Stream one completion; every failure becomes RequestResult.error, never an exception."""
+    r = RequestResult(spec.index, spec.kind, spec.prompt_len, spec.output_len)
+    r.start = time.perf_counter() - t0
+    try:
+        async with client.stream("POST", url, json=request_body(spec, model)) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                r.error = f"HTTP {resp.status_code}: {body[:200]}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter() - t0
+                event = json.loads(data)
+                if "error" in event:
+                    r.error = f"stream error: {event['error']}"[:300]
+                    return r
+                if (choices := event.get("choices")) and _is_token_chunk(choices):
+                    r.token_times.append(now)
+                if usage := event.get("usage"):
+                    r.prompt_tokens = usage.get("prompt_tokens")
+                    r.completion_tokens = usage.get("completion_tokens")
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+        r.error = f"{type(e).__name__}: {e}"[:300]
+        return r
+    finally:
+        r.end = time.perf_counter() - t0
+    if not r.token_times:
+        r.error = "no tokens: the stream ended before the first token"
+        return r
+    r.ok = True
+    return r
+
+
+async def discover_model(client: httpx.AsyncClient, root: str) -> str:
+    """The first model /v1/models lists; 'default' when the server has no such endpoint."""
+    try:
+        resp = await client.get(f"{root}/v1/models")
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError):
+        return "default"
+
+
+async def run_load(
+    url: str,
+    specs: Sequence[RequestSpec],
+    *,
+    model: str | None = None,
+    max_concurrency: int | None = None,
+    timeout_s: float = 600.0,
+    progress: bool = True,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> tuple[list[RequestResult], float, str]:
+    """Send every spec at its arrival offset; returns (results by index, duration in s, model used)."""
+    root = base_url(url)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(timeout_s, connect=30.0)
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as client:
+        model = model or await discover_model(client, root)
+        bar = tqdm(total=len(specs), desc="requests", unit="req", disable=not progress, leave=False)
+        t0 = time.perf_counter()
+
+        async def one(spec: RequestSpec) -> RequestResult:
+            await asyncio.sleep(max(0.0, spec.arrival_s - (time.perf_counter() - t0)))
+            if gate is None:
+                result = await stream_one(client, root + COMPLETIONS_PATH, model, spec, t0)
+            else:
+                async with gate:
+                    result = await stream_one(client, root + COMPLETIONS_PATH, model, spec, t0)
+            bar.update(1)
+            return result
+
+        results = await asyncio.gather(*(one(s) for s in specs))
+        duration = time.perf_counter() - t0
+        bar.close()
+    return sorted(results, key=lambda r: r.index), duration, model
