@@ -1,0 +1,255 @@
+"""LLMEngine: the synchronous step loop (schedule -> plan -> forward -> sample -> update -> detokenize)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import IO, Any
+
+import torch
+
+from mixserve.config import EngineConfig
+from mixserve.core import Chunked, Scheduler, SchedulerConfig, SchedulerStats, WholePrompt, plan
+from mixserve.engine.outputs import RequestUpdate, TokenLogprobs
+from mixserve.engine.request_state import RequestState
+from mixserve.engine.sampling_params import SamplingParams
+from mixserve.engine.threads import bind_threads, set_threads
+from mixserve.runner.sampler import Sampler, SamplingRow, row_seed
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (too long, bad prompt or parameters); `.param` names the culprit."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Scheduler state plus the engine's counters (totals since start, and the last step's share)."""
+
+    scheduler: SchedulerStats
+    num_steps: int
+    num_prompt_tokens_total: int  # prompt tokens of requests that got their first token
+    num_generation_tokens_total: int
+    num_preemptions_total: int
+    step_prompt_tokens: int
+    step_generation_tokens: int
+    step_preemptions: int
+    step_duration_s: float
+
+    @property
+    def num_requests_running(self) -> int:
+        return self.scheduler.num_requests_running
+
+    @property
+    def num_requests_waiting(self) -> int:
+        return self.scheduler.num_requests_waiting
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.scheduler.kv_cache_usage
+
+    @property
+    def step_tokens(self) -> int:
+        return self.scheduler.step_tokens
+
+
+class LLMEngine:
+    """Continuous batching over a ModelRunner: requests join and leave between steps."""
+
+    def __init__(self, runner: Any, cfg: EngineConfig | None = None) -> None:
+        self.cfg = cfg = cfg or EngineConfig()
+        self.runner = runner
+        self.tokenizer = runner.tokenizer
+        self.eos_token_ids: frozenset[int] = frozenset(runner.tokenizer.eos_token_ids)
+        self.vocab_size: int = runner.config.vocab_size
+        if cfg.max_model_len > runner.max_model_len:
+            raise ValueError(f"max_model_len: {cfg.max_model_len} exceeds the model's context length "
+                             f"{runner.max_model_len}")
+        self.max_model_len: int = cfg.max_model_len or runner.max_model_len
+        sched_cfg = SchedulerConfig(
+            max_batch_tokens=cfg.max_batch_tokens,
+            max_num_seqs=cfg.max_num_seqs,
+            block_size=runner.block_size,
+            num_blocks=runner.num_blocks,
+        )
+        policy = Chunked(cfg.prefill_chunk) if cfg.prefill_chunk > 0 else WholePrompt()
+        self.scheduler = Scheduler(sched_cfg).with_prefill_policy(policy)
+        self.sampler = Sampler(cfg.seed, runner.device)
+        self.num_threads = set_threads(cfg.threads) if torch.device(runner.device).type == "cpu" else 0
+        self._bound_thread: int | None = None
+        self._requests: dict[str, RequestState] = {}
+        self._trace: IO[str] | None = open(cfg.step_trace, "a", encoding="utf-8") if cfg.step_trace else None
+        self._num_steps = 0
+        self._prompt_tokens = self._generation_tokens = 0
+        self._step = (0, 0, 0, 0.0)  # prompt tokens, generation tokens, preemptions, duration
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> LLMEngine:
+        """Load the model named by `cfg.model` ("" = the default) on `cfg.device` and build the engine."""
+        from mixserve.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
+
+        device = resolve_device(cfg.device)
+        if device.type == "cpu":
+            bind_threads(set_threads(cfg.threads))  # before loading: the loader's parallel work is bound too
+        runner = ModelRunner.from_pretrained(
+            cfg.model or None,
+            num_blocks=cfg.num_blocks,
+            block_size=cfg.block_size,
+            device=str(device),
+            dtype=resolve_dtype(cfg.dtype, device),  # auto: float32 on CPU, bfloat16 on CUDA
+            attention_backend=cfg.attention_backend,
+            kv_cache_gib=cfg.cpu_kv_cache_gib,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+        )
+        engine = cls(runner, cfg)
+        engine._bound_thread = threading.get_ident()  # bound above, before the loader's first parallel work
+        return engine
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError if the request can never run; reads only fixed settings (thread-safe)."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params: expected SamplingParams, got {type(params).__name__}", "params")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("prompt: is empty", "prompt")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"prompt: token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})",
+                               "prompt")
+        total = n + params.max_tokens
+        param = "prompt" if n >= self.max_model_len else "max_tokens"
+        if total > self.max_model_len:
+            raise RequestError(
+                f"{param}: prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"max_model_len ({self.max_model_len})", param)
+        slots = self.runner.num_blocks * self.runner.block_size
+        if total > slots:
+            raise RequestError(
+                f"{param}: prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the KV "
+                f"cache ({self.runner.num_blocks} blocks x {self.runner.block_size} tokens)", param)
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival: float | None = None
+    ) -> None:
+        """Queue a request (a string is tokenized); it joins the batch at the next step."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = [int(t) for t in prompt]
+        self.validate(ids, params)
+        if request_id in self._requests:
+            raise RequestError(f"request_id: {request_id!r} is already in use", "request_id")
+        self.scheduler.add_request(request_id, ids, params.max_tokens)
+        self._requests[request_id] = RequestState(
+            request_id, ids, params, self.tokenizer, self.eos_token_ids,
+            time.monotonic() if arrival is None else arrival,
+        )
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request and free its blocks; unknown or finished ids are ignored."""
+        if self._requests.pop(request_id, None) is not None:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestUpdate]:
+        """Run one mixed batch; returns one update per request that got a token."""
+        self._bind_this_thread()
+        start, wall = time.monotonic(), time.time()
+        out = self.scheduler.schedule()
+        if out.num_tokens == 0:
+            return []
+        step_plan = plan(self.scheduler, out)
+        logits = self.runner.forward(step_plan.batch)
+        rows = [row for row, _ in step_plan.sample]
+        rids = [rid for _, rid in step_plan.sample]
+        states = [self._requests[rid] for rid in rids]
+        if rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        result = self.sampler(logits, [self._sampling_row(s) for s in states])
+        finished_by_length = set(self.scheduler.update(out, dict(zip(rids, result.token_ids, strict=True))))
+        now = time.monotonic()
+        updates = []
+        prompt_tokens = 0
+        for i, state in enumerate(states):
+            if state.num_generated == 0:
+                prompt_tokens += len(state.prompt_token_ids)
+            lp = None
+            if result.logprobs[i] is not None:
+                lp = TokenLogprobs(result.token_ids[i], result.logprobs[i], tuple(result.top_logprobs[i]))
+            reason = state.append(result.token_ids[i], lp, now)
+            if reason is None and state.request_id in finished_by_length:
+                reason = "length"
+            updates.append(state.update(reason, now))
+            if reason is not None:
+                # finish() frees the blocks of an early stop; abort() then drops the scheduler's record
+                self.scheduler.finish(state.request_id)
+                self.scheduler.abort(state.request_id)
+                del self._requests[state.request_id]
+        duration = time.monotonic() - start
+        self._num_steps += 1
+        self._prompt_tokens += prompt_tokens
+        self._generation_tokens += len(states)
+        self._step = (prompt_tokens, len(states), len(out.preempted), duration)
+        if self._trace is not None:
+            self._write_trace(wall, out.decodes, out.num_tokens, len(step_plan.batch.seqs), duration)
+        return updates
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        return EngineStats(
+            scheduler=s,
+            num_steps=self._num_steps,
+            num_prompt_tokens_total=self._prompt_tokens,
+            num_generation_tokens_total=self._generation_tokens,
+            num_preemptions_total=s.num_preemptions,
+            step_prompt_tokens=self._step[0],
+            step_generation_tokens=self._step[1],
+            step_preemptions=self._step[2],
+            step_duration_s=self._step[3],
+        )
+
+    def close(self) -> None:
+        """Close the step trace file."""
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _sampling_row(self, state: RequestState) -> SamplingRow:
+        p = state.params
+        seed = None if p.seed is None else row_seed(p.seed, state.num_generated)
+        return SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seed, p.logprobs)
+
+    def _bind_this_thread(self) -> None:
+        """libgomp has one worker pool per calling thread: bind the pool of whichever thread steps."""
+        ident = threading.get_ident()
+        if self._bound_thread != ident:
+            self._bound_thread = ident
+            if self.num_threads:
+                bind_threads(self.num_threads)
+
+    def _write_trace(self, wall: float, decodes: list, num_tokens: int, num_seqs: int, dur: float) -> None:
+        assert self._trace is not None
+        line = {
+            "step": self._num_steps,
+            "time": wall,
+            "decode_tokens": len(decodes),
+            "prefill_tokens": num_tokens - len(decodes),
+            "num_seqs": num_seqs,
+            "duration_s": dur,
+        }
+        self._trace.write(json.dumps(line) + "\n")
+        self._trace.flush()
+

@@ -1,0 +1,62 @@
+"""What the engine hands back: per-step deltas (RequestUpdate) and finished results (RequestOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability and the top-k of the model's distribution at that step."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Per-request times in seconds from time.monotonic(): arrival, first token, each token, finished."""
+
+    arrival: float
+    first_token: float | None
+    token_times: tuple[float, ...]
+    finished: float | None
+    num_prompt_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean gap between consecutive tokens (None with fewer than two tokens)."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A finished request: its prompt and generated token ids, text, why it stopped, and its times."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # "length" | "stop" ("abort" only for requests dropped by abort)
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """One step's delta for one request; `output` is the full RequestOutput once `finished`."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None
+    output: RequestOutput | None

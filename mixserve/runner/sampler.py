@@ -1,0 +1,123 @@
+"""Sampling vectorized over the batch: temperature, top-k, top-p, min-p, per-request seeds, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK = float("-inf")
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """How one logits row is sampled. `seed` (already mixed with the step) gives the row its own
+    generator; None draws from the sampler's shared generator. `num_logprobs` None = no logprobs."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    num_logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """Per row: the token, and (when asked) its log-probability and the top-k (id, log-probability)."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def row_seed(seed: int, num_generated: int) -> int:
+    """The generator seed of a seeded request's next token: a function of its seed and position only,
+    so its tokens do not depend on the rest of the batch, nor on being preempted and recomputed."""
+    return hash((seed, num_generated)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class Sampler:
+    """Picks one token per logits row: argmax for temperature 0, else the Gumbel-max trick
+    (argmax of probs / Exp(1) noise), which lets every row draw its noise from its own generator."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        """`logits` (len(rows), vocab), float32; returns one token per row."""
+        logits = logits.float()
+        greedy = [r.temperature == 0.0 for r in rows]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, rows, greedy)
+        token_list = tokens.tolist()
+        lps, tops = self._logprobs(logits, tokens, rows)
+        return SampleResult(token_list, lps, tops)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
+        dev = logits.device
+        num_rows, vocab = logits.shape
+        temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], device=dev)
+        x = logits / temps.unsqueeze(1)
+        if any(0 < r.top_k < vocab for r in rows) or any(r.top_p < 1.0 for r in rows):
+            x = self._top_k_top_p(x, rows)
+        if any(r.min_p > 0.0 for r in rows):
+            probs = x.softmax(dim=-1)
+            min_p = torch.tensor([r.min_p for r in rows], device=dev).unsqueeze(1)
+            x = x.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), _MASK)
+        probs = x.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        shared = [i for i, r in enumerate(rows) if r.seed is None]
+        if shared:
+            drawn = torch.empty((len(shared), vocab), device=dev)
+            noise[shared] = drawn.exponential_(generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.seed is not None:
+                gen = torch.Generator(device=dev)
+                gen.manual_seed(r.seed)
+                noise[i].exponential_(generator=gen)
+        sampled = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            mask = torch.tensor(greedy, device=dev)
+            sampled = torch.where(mask, logits.argmax(dim=-1), sampled)
+        return sampled
+
+    @staticmethod
+    def _top_k_top_p(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        dev = x.device
+        vocab = x.shape[1]
+        ordered, index = x.sort(dim=-1, descending=True)
+        ks = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], device=dev)
+        rank = torch.arange(vocab, device=dev).unsqueeze(0)
+        ordered = ordered.masked_fill(rank >= ks.unsqueeze(1), _MASK)
+        top_p = torch.tensor([r.top_p for r in rows], device=dev).unsqueeze(1)
+        probs = ordered.softmax(dim=-1)
+        # drop a token once the tokens before it already reach top_p (the most likely is always kept)
+        before = probs.cumsum(dim=-1) - probs
+        ordered = ordered.masked_fill(before >= top_p, _MASK)
+        return torch.full_like(x, _MASK).scatter(1, index, ordered)
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+        """Log-probabilities of the model's own distribution (before temperature and filtering)."""
+        wanted = [i for i, r in enumerate(rows) if r.num_logprobs is not None]
+        lps: list[float | None] = [None] * len(rows)
+        tops: list[list[tuple[int, float]] | None] = [None] * len(rows)
+        if not wanted:
+            return lps, tops
+        logp = logits[wanted].log_softmax(dim=-1)
+        chosen = logp.gather(1, tokens[wanted].unsqueeze(1)).squeeze(1).tolist()
+        k = max(rows[i].num_logprobs or 0 for i in wanted)
+        top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(wanted):
+            n = rows[i].num_logprobs or 0
+            lps[i] = chosen[j]
+            tops[i] = list(zip(top_i[j][:n], top_v[j][:n], strict=True))
+        return lps, tops
