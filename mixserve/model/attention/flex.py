@@ -1,0 +1,277 @@
+"""FlexAttention backend: a whole mixed batch (decodes and prefill chunks) in one attention launch per layer.
+
+Mixed steps pack every sequence's queries into one (1, Hq, Q, D) tensor and gather each sequence's K/V
+(positions 0 .. seq_len) out of the paged cache into one packed (1, Hkv, KV, D) view; a BlockMask whose
+mask_mod compares per-token sequence ids and absolute positions keeps attention inside each sequence and
+causal. Q and KV lengths are padded to a few size buckets so the compiled kernel is reused.
+
+Decode-only steps (one token per sequence) take a dense path instead: K/V gathered as (S, C, Hkv, D) for a
+context capacity C, two grouped matmuls and a length mask. Its shapes depend only on (S, C), so a CUDA
+graph can capture it (mixserve/runner/cuda_graph.py).
+
+Everything is built once per forward in `prepare` (no host sync: one pinned H2D copy, then device ops);
+`forward` per layer only writes the cache, gathers and attends.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mixserve.core import ForwardBatch
+from mixserve.model.attention.base import AttentionBackend, AttentionMetadata
+
+FLEX_BLOCK = 128  # FlexAttention's sparse block size (rows and columns of the block mask)
+
+
+def bucket(n: int, minimum: int = FLEX_BLOCK) -> int:
+    """Padded length for n: a power of two up to 4096, then a multiple of 4096 (few compiled shapes)."""
+    n = max(n, minimum, 1)
+    if n <= 4096:
+        return 1 << (n - 1).bit_length()
+    return -(-n // 4096) * 4096
+
+
+def context_capacity(max_seq_len: int, block_size: int) -> int:
+    """Context capacity C of the dense decode path: a bucket of the longest context, whole blocks."""
+    c = bucket(max_seq_len, minimum=max(block_size, 64))
+    return -(-c // block_size) * block_size
+
+
+@dataclass
+class FlexPlan:
+    """Per-forward state of the packed (mixed) path, shared by every layer."""
+
+    num_tokens: int  # real query tokens T
+    q_pad: int  # padded query length
+    kv_pad: int  # padded packed KV length
+    kv_slots: torch.Tensor  # (kv_pad,) int64: flat cache slot of each packed K/V entry
+    block_mask: Any  # torch.nn.attention.flex_attention.BlockMask
+
+
+@dataclass
+class DecodePlan:
+    """Per-forward state of the dense decode path: meta.block_tables has ctx // block_size columns."""
+
+    ctx: int  # context capacity C (multiple of block_size)
+    block_size: int
+
+
+def host_inputs(batch: ForwardBatch, block_size: int, width: int | None = None) -> dict[str, list[int]]:
+    """The batch as flat int lists (positions, slots, lengths, block tables padded to `width` columns)."""
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    for s in batch.seqs:
+        n = len(s.tokens)
+        table, span = s.block_table, range(s.start, s.start + n)
+        positions.extend(span)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+        query_lens.append(n)
+        seq_lens.append(s.start + n)
+    need = max(-(-n // block_size) for n in seq_lens) if seq_lens else 1
+    width = max(width or 0, need, 1)
+    tables: list[int] = []
+    for s in batch.seqs:
+        row = list(s.block_table[:width])
+        tables.extend(row + [0] * (width - len(row)))
+    return {"positions": positions, "slot_mapping": slots, "query_lens": query_lens,
+            "seq_lens": seq_lens, "block_tables": tables, "width": [width]}
+
+
+def to_device(lists: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
+    """One H2D copy for all the ints (pinned and non-blocking on CUDA, so the host never waits)."""
+    names = [k for k in lists if k != "width"]
+    flat = [x for k in names for x in lists[k]]
+    host = torch.tensor(flat, dtype=torch.int64)
+    if device.type == "cuda":
+        dev = host.pin_memory().to(device, non_blocking=True)
+    else:
+        dev = host.to(device)
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for k in names:
+        n = len(lists[k])
+        out[k] = dev[offset:offset + n]
+        offset += n
+    return out
+
+
+def build_device_metadata(batch: ForwardBatch, block_size: int, device: torch.device,
+                   width: int | None = None) -> AttentionMetadata:
+    """The shared AttentionMetadata fields of DESIGN's seam (positions, slots, lengths, tables)."""
+    lists = host_inputs(batch, block_size, width)
+    t = to_device(lists, device)
+    num_seqs = len(batch.seqs)
+    query_lens = t["query_lens"]
+    query_start = torch.zeros(num_seqs + 1, dtype=torch.int64, device=device)
+    torch.cumsum(query_lens, 0, out=query_start[1:])
+    return AttentionMetadata(
+        positions=t["positions"],
+        slot_mapping=t["slot_mapping"],
+        query_start=query_start,
+        seq_lens=t["seq_lens"],
+        block_tables=t["block_tables"].view(num_seqs, lists["width"][0]),
+        last_token_index=query_start[1:] - 1,
+        query_lens_cpu=lists["query_lens"],
+        seq_lens_cpu=lists["seq_lens"],
+        extra={},
+    )
+
+
+def _from_kv_blocks_kwargs() -> dict[str, Any]:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    # compute_q_blocks (transposed indices for the backward pass) is not needed for inference.
+    params = inspect.signature(BlockMask.from_kv_blocks).parameters
+    return {"compute_q_blocks": False} if "compute_q_blocks" in params else {}
+
+
+def build_flex_plan(meta: AttentionMetadata, block_size: int) -> FlexPlan:
+    """Packed-path state: query/KV sequence ids and positions, gather slots, and a sparse BlockMask.
+
+    Sequences sit in the same order in Q and in KV, so a (Q block, KV block) pair can hold a visible pair
+    only if their ranges of sequence ids overlap: that decides the sparse blocks without materialising
+    the full Q x KV mask. Padded query rows see KV entry 0 (never an all-masked row).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    device = meta.positions.device
+    num_seqs = len(meta.seq_lens_cpu)
+    num_tokens = sum(meta.query_lens_cpu)
+    total_kv = sum(meta.seq_lens_cpu)
+    q_pad, kv_pad = bucket(num_tokens), bucket(total_kv)
+    seq_ids = torch.arange(num_seqs, device=device)
+    query_lens = meta.query_start[1:] - meta.query_start[:-1]
+
+    q_seq = torch.full((q_pad,), -1, dtype=torch.int64, device=device)
+    q_seq[:num_tokens] = torch.repeat_interleave(seq_ids, query_lens, output_size=num_tokens)
+    q_pos = torch.zeros(q_pad, dtype=torch.int64, device=device)
+    q_pos[:num_tokens] = meta.positions
+
+    kv_seq = torch.full((kv_pad,), num_seqs, dtype=torch.int64, device=device)
+    kv_seq[:total_kv] = torch.repeat_interleave(seq_ids, meta.seq_lens, output_size=total_kv)
+    kv_start = torch.cumsum(meta.seq_lens, 0) - meta.seq_lens
+    kv_pos = torch.zeros(kv_pad, dtype=torch.int64, device=device)
+    real = kv_seq[:total_kv]
+    kv_pos[:total_kv] = torch.arange(total_kv, device=device) - kv_start[real]
+    kv_slots = torch.zeros(kv_pad, dtype=torch.int64, device=device)
+    pos = kv_pos[:total_kv]
+    kv_slots[:total_kv] = meta.block_tables[real, pos // block_size] * block_size + pos % block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        qs = q_seq[q_idx]
+        same = (qs == kv_seq[kv_idx]) & (kv_pos[kv_idx] <= q_pos[q_idx])
+        return same | ((qs < 0) & (kv_idx == 0))
+
+    blocks = block_ranges(q_seq, kv_seq, num_seqs)
+    kv_num_blocks = blocks.sum(dim=1, dtype=torch.int32)
+    # Stable sort puts the visible KV blocks first, in order, for each Q block.
+    kv_indices = torch.argsort((~blocks).to(torch.int8), dim=1, stable=True).to(torch.int32)
+    block_mask = BlockMask.from_kv_blocks(
+        kv_num_blocks[None, None], kv_indices[None, None], BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
+        seq_lengths=(q_pad, kv_pad), **_from_kv_blocks_kwargs(),
+    )
+    return FlexPlan(num_tokens, q_pad, kv_pad, kv_slots, block_mask)
+
+
+def block_ranges(q_seq: torch.Tensor, kv_seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """(Q blocks, KV blocks) bool: which block pairs can hold a visible (query, key) pair.
+
+    q_seq: padded with -1; kv_seq: padded with num_seqs; both lengths multiples of FLEX_BLOCK.
+    """
+    q = q_seq.view(-1, FLEX_BLOCK)
+    real = q >= 0
+    q_min = torch.where(real, q, num_seqs).amin(dim=1)
+    q_max = torch.where(real, q, -1).amax(dim=1)
+    k = kv_seq.view(-1, FLEX_BLOCK)
+    k_min, k_max = k.amin(dim=1), k.amax(dim=1)
+    blocks = (k_min[None, :] <= q_max[:, None]) & (k_max[None, :] >= q_min[:, None])
+    blocks[:, 0] = True  # padded query rows attend KV entry 0
+    return blocks
+
+
+def is_decode_only(batch: ForwardBatch) -> bool:
+    """True when every sequence is a single-token decode (the dense, graph-capturable path)."""
+    return bool(batch.seqs) and all(len(s.tokens) == 1 for s in batch.seqs)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, ctx: int) -> torch.Tensor:
+    """Dense decode attention: q (S, Hq, D) against each sequence's first ctx cache slots, masked to seq_lens.
+
+    Static shapes for a given (S, ctx): safe inside a CUDA graph. GQA by grouping query heads per KV head.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    table = block_tables[:, : ctx // block_size]
+    k = k_cache[table].view(num_seqs, ctx, num_kv_heads, head_dim)
+    v = v_cache[table].view(num_seqs, ctx, num_kv_heads, head_dim)
+    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("shgd,schd->shgc", qg, k).float() * (1.0 / math.sqrt(head_dim))
+    visible = torch.arange(ctx, device=q.device)[None, :] < seq_lens[:, None]  # (S, C)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.einsum("shgc,schd->shgd", probs, v)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> None:
+    """Write this step's K/V rows at their flat slots (cache viewed as (slots, Hkv, D))."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+class FlexAttentionBackend(AttentionBackend):
+    """One attention launch per layer for a whole mixed batch; compiled FlexAttention on CUDA."""
+
+    name = "flex"
+
+    def __init__(self, compile: bool | None = None) -> None:
+        self.compile = compile  # None: compile on CUDA only
+        self._flex: dict[bool, Any] = {}
+
+    def _flex_fn(self, device: torch.device):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # Compiled on CUDA (one fused kernel); eager elsewhere (materialises scores: small shapes only).
+        compiled = device.type == "cuda" if self.compile is None else self.compile
+        if compiled not in self._flex:
+            self._flex[compiled] = torch.compile(flex_attention) if compiled else flex_attention
+        return self._flex[compiled]
+
+    def prepare(self, batch: ForwardBatch, block_size: int, device: torch.device) -> AttentionMetadata:
+        """Metadata for one forward: the dense decode plan for decode-only batches, else the flex plan."""
+        if is_decode_only(batch):
+            ctx = context_capacity(max(s.start + 1 for s in batch.seqs), block_size)
+            meta = build_device_metadata(batch, block_size, device, width=ctx // block_size)
+            meta.extra["decode"] = DecodePlan(ctx=ctx, block_size=block_size)
+            return meta
+        meta = build_device_metadata(batch, block_size, device)
+        meta.extra["flex"] = build_flex_plan(meta, block_size)
+        return meta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q (T, Hq, D), k/v (T, Hkv, D); writes k/v into the caches, returns (T, Hq, D)."""
+        write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        decode = meta.extra.get("decode")
+        if decode is not None:
+            return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, decode.ctx)
+        plan: FlexPlan = meta.extra["flex"]
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        # Gather straight into (Hkv, KV, D): contiguous, the layout flex wants.
+        keys = k_cache.view(-1, num_kv_heads, head_dim).permute(1, 0, 2)[:, plan.kv_slots]
+        values = v_cache.view(-1, num_kv_heads, head_dim).permute(1, 0, 2)[:, plan.kv_slots]
+        query = F.pad(q.transpose(0, 1), (0, 0, 0, plan.q_pad - plan.num_tokens))
+        out = self._flex_fn(q.device)(query[None].to(keys.dtype), keys[None], values[None],
+                              block_mask=plan.block_mask, enable_gqa=True)
+        return out[0, :, : plan.num_tokens].transpose(0, 1).to(q.dtype)
