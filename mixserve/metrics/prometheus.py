@@ -1,0 +1,82 @@
+"""The metrics of DESIGN.md section 5, on a registry of their own (never the process-global one)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+# Buckets as vLLM's, so dashboards and alerts written for it read ours the same way.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class ServerMetrics:
+    """Request latencies, token counters and scheduler gauges of one server; `render()` is /metrics."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("mixserve:time_to_first_token_seconds", "Arrival to first output token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("mixserve:time_per_output_token_seconds",
+                              "Every gap between two consecutive output tokens of a request.",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("mixserve:e2e_request_latency_seconds", "Arrival to last token of a request.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.running = Gauge("mixserve:num_requests_running", "Requests holding KV blocks now.", registry=r)
+        self.waiting = Gauge("mixserve:num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
+        self.kv_usage = Gauge("mixserve:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
+                              registry=r)
+        self.prompt_tokens = Counter("mixserve:prompt_tokens", "Prompt tokens of requests admitted.",
+                                     registry=r)
+        self.generation_tokens = Counter("mixserve:generation_tokens", "Output tokens generated.", registry=r)
+        self.preemptions = Counter("mixserve:num_preemptions", "Requests preempted to free KV blocks.",
+                                   registry=r)
+        self.step_tokens = Histogram("mixserve:step_tokens", "Tokens (decodes + prefill chunks) per step.",
+                                     buckets=STEP_TOKEN_BUCKETS, registry=r)
+        self._preemptions_seen = 0
+
+    # -- scheduler side: called by the step loop after each step (or after draining adds/aborts)
+    def observe_stats(self, stats: Any, *, stepped: bool, extra_waiting: int = 0) -> None:
+        """Set the gauges from a `SchedulerStats`-like snapshot; `stepped` records its step's tokens."""
+        self.running.set(stats.num_requests_running)
+        self.waiting.set(stats.num_requests_waiting + extra_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        # the scheduler counts preemptions since it was built; a Counter only goes up by the difference
+        delta = stats.num_preemptions - self._preemptions_seen
+        if delta > 0:
+            self.preemptions.inc(delta)
+        self._preemptions_seen = max(self._preemptions_seen, stats.num_preemptions)
+        if stepped and stats.step_tokens > 0:
+            self.step_tokens.observe(stats.step_tokens)
+
+    # -- request side
+    def observe_first_token(self, ttft: float, prompt_tokens: int) -> None:
+        self.ttft.observe(max(ttft, 0.0))
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def observe_token_gap(self, gap: float) -> None:
+        self.tpot.observe(max(gap, 0.0))
+
+    def observe_generated(self, num_tokens: int) -> None:
+        self.generation_tokens.inc(num_tokens)
+
+    def observe_finished(self, e2e: float) -> None:
+        self.e2e.observe(max(e2e, 0.0))
+
+    def render(self) -> tuple[bytes, str]:
+        """The text exposition format and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

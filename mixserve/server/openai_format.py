@@ -1,0 +1,126 @@
+"""Engine updates -> OpenAI response bodies: completions, chat completions, their stream chunks, usage."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class TokenLogprob:
+    """The sampled token's log-probability and the top alternatives (token id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+def token_logprobs(update: Any) -> list[TokenLogprob]:
+    """An update's `TokenLogprobs` records (token_id, logprob, top pairs), one per new token."""
+    return [TokenLogprob(e.token_id, e.logprob, dict(e.top)) for e in (update.logprobs or [])]
+
+
+def _best_first(top: dict[int, float]) -> list[tuple[int, float]]:
+    return sorted(top.items(), key=lambda kv: -kv[1])
+
+
+@dataclass
+class Usage:
+    """Token counts of one request."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+
+    def body(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+class Formatter:
+    """Builds the bodies of one request (`chat` or text completion); ids and `created` fixed per request."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, tokenizer: Any) -> None:
+        self.id = request_id
+        self.model = model
+        self.chat = chat
+        self.tokenizer = tokenizer
+        self.created = int(time.time())
+        self.text_offset = 0
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self._token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        """OpenAI's logprobs object: chat `{"content": [...]}`, completions the four parallel lists."""
+        if self.chat:
+            content = []
+            for e in entries:
+                entry = self._chat_token(e.token_id, e.logprob)
+                entry["top_logprobs"] = [self._chat_token(k, v) for k, v in _best_first(e.top)]
+                content.append(entry)
+            return {"content": content}
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for e in entries:
+            text = self._token_text(e.token_id)
+            tokens.append(text)
+            token_logprobs.append(e.logprob)
+            top_logprobs.append({self._token_text(k): v for k, v in _best_first(e.top)})
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+    # -- whole answers
+    def response(self, text: str, finish_reason: str | None, usage: Usage,
+                 logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        lp = self.logprobs(logprobs) if logprobs is not None else None
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                      "finish_reason": finish_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": usage.body()}
+
+    # -- stream chunks
+    def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        body: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                                "choices": choices}
+        if usage is not None:
+            body["usage"] = usage.body()
+        return body
+
+    def role_chunk(self) -> dict[str, Any]:
+        """Chat streams open with the assistant's role."""
+        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
+
+    def delta_chunk(self, text: str, finish_reason: str | None,
+                    logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        lp = self.logprobs(logprobs) if logprobs is not None else None
+        if self.chat:
+            delta = {"content": text} if text or finish_reason is None else {}
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+        return self._chunk([choice])
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        """The last chunk of a stream with `include_usage`: no choices, only the counts."""
+        return self._chunk([], usage)
