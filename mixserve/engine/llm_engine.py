@@ -71,11 +71,16 @@ class LLMEngine:
             raise ValueError(f"max_model_len: {cfg.max_model_len} exceeds the model's context length "
                              f"{runner.max_model_len}")
         self.max_model_len: int = cfg.max_model_len or runner.max_model_len
+        # cfg.num_blocks may use part of a runner's cache (tests share one runner between engines)
+        self.num_blocks: int = cfg.num_blocks or runner.num_blocks
+        if self.num_blocks > runner.num_blocks:
+            raise ValueError(f"num_blocks: {self.num_blocks} exceeds the runner's KV cache "
+                             f"({runner.num_blocks} blocks)")
         sched_cfg = SchedulerConfig(
             max_batch_tokens=cfg.max_batch_tokens,
             max_num_seqs=cfg.max_num_seqs,
             block_size=runner.block_size,
-            num_blocks=runner.num_blocks,
+            num_blocks=self.num_blocks,
         )
         policy = Chunked(cfg.prefill_chunk) if cfg.prefill_chunk > 0 else WholePrompt()
         self.scheduler = Scheduler(sched_cfg).with_prefill_policy(policy)
@@ -129,11 +134,10 @@ class LLMEngine:
             raise RequestError(
                 f"{param}: prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                 f"max_model_len ({self.max_model_len})", param)
-        slots = self.runner.num_blocks * self.runner.block_size
-        if total > slots:
+        if total > self.num_blocks * self.runner.block_size:
             raise RequestError(
                 f"{param}: prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the KV "
-                f"cache ({self.runner.num_blocks} blocks x {self.runner.block_size} tokens)", param)
+                f"cache ({self.num_blocks} blocks x {self.runner.block_size} tokens)", param)
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival: float | None = None
