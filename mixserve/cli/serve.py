@@ -24,9 +24,9 @@ def register(subparsers: Any) -> None:
     add_engine_flags(p)  # --config, --model, --prefill-chunk, --max-batch-tokens, --num-blocks, ...
     group = p.add_argument_group("server (override the [server] table of --config)")
     group.add_argument("--host", default=None, help="[server].host")
-    group.add_argument("--port", type=int, default=None, help="[server].port (0 = any free port)")
+    group.add_argument("--port", default=None, metavar="INT", help="[server].port (0 = any free port)")
     group.add_argument("--api-key", default=None, help="[server].api_key: clients send 'Bearer KEY'")
-    group.add_argument("--max-waiting", type=int, default=None, help="[server].max_waiting")
+    group.add_argument("--max-waiting", default=None, metavar="INT", help="[server].max_waiting")
     group.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, how long in-flight requests may still run before they are aborted")
     group.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -37,8 +37,10 @@ def run(args: argparse.Namespace) -> int:
     """Build the engine and app, serve until a signal, and exit 0 after a graceful stop."""
     try:
         overrides = overrides_from_args(args)
-        overrides["server"] = {"host": args.host, "port": args.port, "api_key": args.api_key,
-                               "max_waiting": args.max_waiting}
+        overrides["server"] = {
+            "host": args.host, "port": _int_flag("--port", args.port), "api_key": args.api_key,
+            "max_waiting": _int_flag("--max-waiting", args.max_waiting),
+        }
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:
         print(f"mixserve serve: {exc}", file=sys.stderr)
@@ -62,6 +64,16 @@ def run(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     _Server(config, name).run()
     return 0
+
+
+def _int_flag(flag: str, raw: str | None) -> int | None:
+    # parsed here rather than by argparse so a bad value is one ConfigError line, as for the engine flags
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{flag}: must be an integer, got {raw!r}") from None
 
 
 class _Server(uvicorn.Server):
