@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import httpx
 from tqdm import tqdm
@@ -38,11 +39,6 @@ def request_body(spec: RequestSpec, model: str) -> dict:
     }
 
 
-def _is_token_chunk(choices: list[dict]) -> bool:
-    # A chunk carrying only a finish_reason and no text is an end marker, not a token.
-    return any(c.get("text") or c.get("finish_reason") is None for c in choices)
-
-
 async def stream_one(
     client: httpx.AsyncClient, url: str, model: str, spec: RequestSpec, t0: float
 ) -> RequestResult:
@@ -66,7 +62,9 @@ async def stream_one(
                 if "error" in event:
                     r.error = f"stream error: {event['error']}"[:300]
                     return r
-                if (choices := event.get("choices")) and _is_token_chunk(choices):
+                # Every chunk with a choice carries at least one new token (the last one its finish_reason
+                # too); servers may hold back text that is not whole UTF-8 yet, so usage gives the count.
+                if event.get("choices"):
                     r.token_times.append(now)
                 if usage := event.get("usage"):
                     r.prompt_tokens = usage.get("prompt_tokens")
@@ -93,6 +91,17 @@ async def discover_model(client: httpx.AsyncClient, root: str) -> str:
         return "default"
 
 
+@dataclass
+class LoadRun:
+    """The results of one load run and the clocks at its start (to line up the server's step trace)."""
+
+    results: list[RequestResult]
+    duration: float
+    model: str
+    t0_monotonic: float
+    t0_wall: float
+
+
 async def run_load(
     url: str,
     specs: Sequence[RequestSpec],
@@ -102,8 +111,8 @@ async def run_load(
     timeout_s: float = 600.0,
     progress: bool = True,
     transport: httpx.AsyncBaseTransport | None = None,
-) -> tuple[list[RequestResult], float, str]:
-    """Send every spec at its arrival offset; returns (results by index, duration in s, model used)."""
+) -> LoadRun:
+    """Send every spec at its arrival offset (seconds after start) and stream them all to the end."""
     root = base_url(url)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(timeout_s, connect=30.0)
@@ -111,7 +120,7 @@ async def run_load(
     async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as client:
         model = model or await discover_model(client, root)
         bar = tqdm(total=len(specs), desc="requests", unit="req", disable=not progress, leave=False)
-        t0 = time.perf_counter()
+        t0, t0_monotonic, t0_wall = time.perf_counter(), time.monotonic(), time.time()
 
         async def one(spec: RequestSpec) -> RequestResult:
             await asyncio.sleep(max(0.0, spec.arrival_s - (time.perf_counter() - t0)))
@@ -126,4 +135,4 @@ async def run_load(
         results = await asyncio.gather(*(one(s) for s in specs))
         duration = time.perf_counter() - t0
         bar.close()
-    return sorted(results, key=lambda r: r.index), duration, model
+    return LoadRun(sorted(results, key=lambda r: r.index), duration, model, t0_monotonic, t0_wall)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,8 +25,13 @@ def _first(row: dict, *keys: str, default: float = 0.0) -> float:
     return default
 
 
-def read_step_trace(path: str | Path) -> list[StepRecord]:
-    """Steps in file order, start times relative to the first step; a missing file reads as no steps."""
+def read_step_trace(path: str | Path, clocks: Sequence[float] = ()) -> list[StepRecord]:
+    """Steps in file order; a missing file reads as no steps.
+
+    Start times are relative to the bench's start read on whichever of `clocks` (e.g. its monotonic and
+    its wall clock at t0) lies nearest the trace's times, so the trace lines up with the requests; with
+    no clocks, relative to the first step.
+    """
     p = Path(path)
     if not p.exists():
         return []
@@ -43,7 +49,7 @@ def read_step_trace(path: str | Path) -> list[StepRecord]:
     times = [_first(r, "time", "t", "timestamp") for r in rows]
     durations = [_first(r, "duration_s", "duration") for r in rows]
     starts = [t - d for t, d in zip(times, durations, strict=True)] if _time_is_end(rows) else times
-    origin = min(starts)
+    origin = min(clocks, key=lambda c: abs(c - starts[0])) if clocks else min(starts)
     return [
         StepRecord(s - origin, d, int(_first(r, "decode_tokens", "num_decode_tokens")),
                    int(_first(r, "prefill_tokens", "num_prefill_tokens")))

@@ -16,7 +16,7 @@ def sse(events: list[dict]) -> bytes:
 
 
 def fake_server(seen: list[dict]) -> httpx.MockTransport:
-    """Streams max_tokens tokens, merging the first two into one chunk, then a finish marker and usage."""
+    """Streams max_tokens tokens, the first two merged into one chunk, the last with its finish_reason."""
 
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":
@@ -27,8 +27,8 @@ def fake_server(seen: list[dict]) -> httpx.MockTransport:
             return httpx.Response(400, json={"error": {"message": "prompt too long"}})
         n = body["max_tokens"]
         events = [{"choices": [{"index": 0, "text": "ab", "finish_reason": None}]}]
-        events += [{"choices": [{"index": 0, "text": "c", "finish_reason": None}]} for _ in range(n - 2)]
-        events.append({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+        events += [{"choices": [{"index": 0, "text": "c", "finish_reason": None}]} for _ in range(n - 3)]
+        events.append({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})  # text held back
         events.append({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n,
                                                 "total_tokens": len(body["prompt"]) + n}})
         return httpx.Response(200, content=sse(events), headers={"content-type": "text/event-stream"})
@@ -45,23 +45,23 @@ def test_base_url_accepts_the_root_or_the_completions_url():
 def test_run_load_streams_token_prompts_and_reads_usage():
     seen: list[dict] = []
     specs = [RequestSpec(0, 0.0, [1, 2, 3], 3, 5), RequestSpec(1, 0.0, [4] * 10, 10, 4, "long")]
-    results, duration, model = asyncio.run(run_load("http://fake", specs, transport=fake_server(seen),
-                                                    progress=False))
-    assert model == "fake-model" and duration >= 0
+    run = asyncio.run(run_load("http://fake", specs, transport=fake_server(seen), progress=False))
+    results = run.results
+    assert run.model == "fake-model" and run.duration >= 0
     assert all(b["stream"] and b["stream_options"] == {"include_usage": True} and b["ignore_eos"]
                for b in seen)
     assert sorted(b["prompt"] for b in seen) == [[1, 2, 3], [4] * 10]
     r0, r1 = results
     assert r0.ok and r1.ok and r1.kind == "long"
-    # 5 tokens in 4 chunks (the first chunk held two); the finish marker is not a token
+    # 5 tokens in 4 chunks: the first chunk held two; the last had no text yet still a token
     assert len(r0.token_times) == 4 and r0.completion_tokens == 5 and r0.prompt_tokens == 3
     assert r0.token_times == sorted(r0.token_times) and r0.ttft >= 0 and r0.end >= r0.token_times[-1]
 
 
 def test_http_errors_become_failed_results_with_reasons():
     specs = [RequestSpec(0, 0.0, [1] * 200, 200, 4), RequestSpec(1, 0.0, [1], 1, 2)]
-    results, _, _ = asyncio.run(run_load("http://fake/v1/completions", specs, model="m",
-                                         transport=fake_server([]), progress=False))
+    results = asyncio.run(run_load("http://fake/v1/completions", specs, model="m",
+                                         transport=fake_server([]), progress=False)).results
     assert not results[0].ok and results[0].error.startswith("HTTP 400") and "too long" in results[0].error
     assert results[1].ok
 
@@ -70,8 +70,8 @@ def test_connection_failures_are_reported_not_raised():
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("connection refused", request=request)
 
-    results, _, _ = asyncio.run(run_load("http://nowhere", [RequestSpec(0, 0.0, [1], 1, 2)], model="m",
-                                         transport=httpx.MockTransport(refuse), progress=False))
+    results = asyncio.run(run_load("http://nowhere", [RequestSpec(0, 0.0, [1], 1, 2)], model="m",
+                                         transport=httpx.MockTransport(refuse), progress=False)).results
     assert not results[0].ok and results[0].error.startswith("ConnectError")
 
 
@@ -87,6 +87,6 @@ def test_max_concurrency_bounds_requests_in_flight():
         return httpx.Response(200, content=sse([{"choices": [{"text": "x", "finish_reason": None}]}]))
 
     specs = [RequestSpec(i, 0.0, [1], 1, 1) for i in range(6)]
-    results, _, _ = asyncio.run(run_load("http://f", specs, model="m", max_concurrency=2,
-                                         transport=httpx.MockTransport(handler), progress=False))
+    results = asyncio.run(run_load("http://f", specs, model="m", max_concurrency=2,
+                                         transport=httpx.MockTransport(handler), progress=False)).results
     assert all(r.ok for r in results) and peak == 2

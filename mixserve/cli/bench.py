@@ -1,0 +1,167 @@
+"""`mixserve bench`: drive an OpenAI-compatible server over HTTP; `mixserve bench sweep`: one server per
+prefill_chunk setting, the same workload against each, a comparison table and pictures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from mixserve.bench.report import STALL_THRESHOLD_S, format_summary
+from mixserve.bench.run import RunOptions
+from mixserve.bench.workload import DEFAULT_VOCAB_SIZE, RequestSpec, load_dataset, random_workload, workload_m
+
+# What each workload uses for a flag that was not given: random's own, and PERF.md's workload M.
+RANDOM_DEFAULTS = {"num_requests": 100, "request_rate": float("inf"), "input_len": 128,
+                   "input_len_range": 0.0, "output_len": 64, "long_input_len": 1500, "long_output_len": None}
+M_DEFAULTS = {"num_requests": 48, "request_rate": 2.0, "input_len": 80, "input_len_range": 0.6,
+              "output_len": 64, "long_input_len": 1500, "long_output_len": 8}
+
+
+def _rate(text: str) -> float:
+    value = float(text)  # "inf" parses: every request at once
+    if value <= 0:
+        raise argparse.ArgumentTypeError("the request rate must be > 0 (or inf)")
+    return value
+
+
+def add_workload_flags(p: argparse.ArgumentParser, default_workload: str) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", choices=("random", "M"), default=default_workload,
+                   help="random token prompts, or PERF.md's mixed workload M (default %(default)s)")
+    g.add_argument("--dataset", default="random", help="'random', or a JSONL file of {\"prompt\": ...} lines")
+    g.add_argument("--num-requests", type=int, help="requests (workload M: short requests; default 100 / 48)")
+    g.add_argument("--request-rate", type=_rate, help="Poisson arrivals per second; inf = all at once "
+                   "(default inf / M: 2)")
+    g.add_argument("--input-len", type=int, help="prompt tokens (default 128 / M: 80)")
+    g.add_argument("--input-len-range", type=float, help="prompts uniform in L*(1-F)..L*(1+F) "
+                   "(default 0 / M: 0.6, i.e. 32-128)")
+    g.add_argument("--output-len", type=int, help="output tokens per request (default 64)")
+    g.add_argument("--long-prompt-fraction", type=float, default=0.0,
+                   help="random workload: this fraction of requests get long prompts (default 0)")
+    g.add_argument("--long-input-len", type=int, help="long prompt tokens (default 1500)")
+    g.add_argument("--long-output-len", type=int,
+                   help="long requests' output tokens (default --output-len / M: 8)")
+    g.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
+                   help="random token ids are drawn below this (default %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="the workload's random seed (default 0)")
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("load")
+    g.add_argument("--model", help="model name sent in requests (default: the first of /v1/models)")
+    g.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    g.add_argument("--slo-ttft", type=float, help="goodput: TTFT SLO in seconds")
+    g.add_argument("--slo-tpot", type=float, help="goodput: TPOT SLO in seconds")
+    g.add_argument("--stall-threshold", type=float, default=STALL_THRESHOLD_S,
+                   help="a gap between two tokens over this many seconds is a stall (default %(default)s)")
+    g.add_argument("--warmup", type=int, default=2, help="unmeasured requests sent first (default 2)")
+    g.add_argument("--timeout", type=float, default=600.0, help="per-request read timeout, s (default 600)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="load bench: TTFT, TPOT and stalls of a server over HTTP",
+                              description="Drive an OpenAI-compatible server (streaming /v1/completions).")
+    p.add_argument("--url", help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--out", help="write the JSON report here")
+    p.add_argument("--plot", help="write a PNG of the run here")
+    add_workload_flags(p, "random")
+    add_run_flags(p)
+    p.set_defaults(func=bench_command)
+    sub = p.add_subparsers(dest="bench_command", metavar="sweep")
+    s = sub.add_parser("sweep", help="one server per prefill_chunk setting, one comparison table",
+                       description="Start a server per setting, run the same workload against each, and "
+                       "write a comparison table (markdown + JSON) with TTFT/TPOT CDFs and step timelines.")
+    s.add_argument("--prefill-chunk", default="0,16,64,256",
+                   help="comma-separated chunks (0 = WholePrompt), CHUNK:BUDGET for its own budget")
+    s.add_argument("--max-batch-tokens", type=int, default=512,
+                   help="the token budget of each setting; chunks above it are capped (default 512)")
+    s.add_argument("--whole-prompt-budget", type=int, default=2048,
+                   help="also run WholePrompt at this big budget, the stall case (0 = skip; default 2048)")
+    s.add_argument("--server-cmd", default=None,
+                   help="server command template with {python} {port} {chunk} {budget} {trace}")
+    s.add_argument("--server-args", default="", help="extra server flags, e.g. '--model PATH'")
+    s.add_argument("--out-dir", default="bench/results", help="where the results go (default %(default)s)")
+    add_workload_flags(s, "M")
+    add_run_flags(s)
+    s.set_defaults(func=sweep_command)
+
+
+def _resolve(args: argparse.Namespace) -> dict:
+    defaults = M_DEFAULTS if args.workload == "M" else RANDOM_DEFAULTS
+    return {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
+
+
+def build_workload(args: argparse.Namespace) -> tuple[list[RequestSpec], dict]:
+    """The specs the flags describe, and a description of them for the report."""
+    w = _resolve(args)
+    if args.dataset != "random":
+        specs = load_dataset(args.dataset, args.num_requests or 0, w["request_rate"],
+                             output_len=w["output_len"], seed=args.seed)
+        desc = {"workload": "dataset", "dataset": args.dataset, "request_rate": w["request_rate"]}
+    elif args.workload == "M":
+        lo = max(1, round(w["input_len"] * (1 - w["input_len_range"])))
+        hi = max(lo, round(w["input_len"] * (1 + w["input_len_range"])))
+        specs = workload_m(num_short=w["num_requests"], short_rate=w["request_rate"], short_input=(lo, hi),
+                           short_output=w["output_len"], long_input_len=w["long_input_len"],
+                           long_output=w["long_output_len"], vocab_size=args.vocab_size, seed=args.seed)
+        desc = {"workload": "M", "short_requests": w["num_requests"], "short_rate": w["request_rate"],
+                "short_prompt_tokens": [lo, hi], "short_output_tokens": w["output_len"],
+                "long_prompts": 4, "long_prompt_tokens": w["long_input_len"],
+                "long_output_tokens": w["long_output_len"], "long_at_span_fractions": [0.2, 0.4, 0.6, 0.8]}
+    else:
+        specs = random_workload(w["num_requests"], w["request_rate"], input_len=w["input_len"],
+                                input_len_range=w["input_len_range"], output_len=w["output_len"],
+                                long_prompt_fraction=args.long_prompt_fraction,
+                                long_input_len=w["long_input_len"], long_output_len=w["long_output_len"],
+                                vocab_size=args.vocab_size, seed=args.seed)
+        desc = {"workload": "random", **w, "long_prompt_fraction": args.long_prompt_fraction}
+    desc["seed"] = args.seed
+    desc["num_requests"] = len(specs)
+    return specs, desc
+
+
+def run_options(args: argparse.Namespace) -> RunOptions:
+    return RunOptions(model=args.model, max_concurrency=args.max_concurrency, slo_ttft=args.slo_ttft,
+                      slo_tpot=args.slo_tpot, stall_threshold=args.stall_threshold, warmup=args.warmup,
+                      vocab_size=args.vocab_size, timeout_s=args.timeout, progress=not args.no_progress)
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    from mixserve.bench.run import run_bench  # lazily: `mixserve serve` need not import the bench
+
+    if not args.url or not args.out:
+        print("mixserve bench: --url and --out are required (or use `mixserve bench sweep`)", file=sys.stderr)
+        return 2
+    specs, desc = build_workload(args)
+    try:
+        report = run_bench(args.url, specs, run_options(args), settings=desc)
+    except RuntimeError as e:
+        print(f"mixserve bench: {e}", file=sys.stderr)
+        return 1
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    if args.plot:
+        from mixserve.bench.plot import plot_run
+
+        plot_run(report, args.plot)
+    print(format_summary(report))
+    return 0 if report["completed"] else 1
+
+
+def sweep_command(args: argparse.Namespace) -> int:
+    from mixserve.bench.server import DEFAULT_SERVER_CMD
+    from mixserve.bench.sweep import parse_settings, run_sweep
+
+    try:
+        settings = parse_settings(args.prefill_chunk, args.max_batch_tokens, args.whole_prompt_budget)
+    except ValueError as e:
+        print(f"mixserve bench sweep: {e}", file=sys.stderr)
+        return 2
+    specs, desc = build_workload(args)
+    summary = run_sweep(settings, specs, args.out_dir, run_options(args), workload=desc,
+                        server_cmd=args.server_cmd or DEFAULT_SERVER_CMD, server_args=args.server_args)
+    print((Path(args.out_dir) / "sweep.md").read_text())
+    return 0 if any("error" not in r for r in summary["rows"]) else 1

@@ -1,0 +1,115 @@
+"""Pictures from synthetic reports, sweep settings, the comparison table, and the CLI's workloads."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from mixserve.bench.plot import (
+    Timeline,
+    cdf_points,
+    plot_run,
+    plot_sweep_tpot,
+    plot_sweep_ttft,
+    plot_timelines,
+)
+from mixserve.bench.report import RequestResult, build_report
+from mixserve.bench.run import request_records, results_from_records
+from mixserve.bench.sweep import Setting, markdown, parse_settings, table_row
+from mixserve.bench.trace import StepRecord
+from mixserve.cli import bench as bench_cli
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def synthetic_report(stall: float) -> dict:
+    results = [RequestResult(i, "short", 40, 4, ok=True, start=0.1 * i, end=0.1 * i + 1.0,
+                             token_times=[0.1 * i + t for t in (0.2, 0.3, 0.3 + stall, 0.5 + stall)],
+                             prompt_tokens=40, completion_tokens=4) for i in range(6)]
+    results.append(RequestResult(6, "long", 900, 2, ok=True, start=0.2, end=2.0, token_times=[1.9, 2.0],
+                                 prompt_tokens=900, completion_tokens=2))
+    results.append(RequestResult(7, "short", 40, 4, ok=False, error="HTTP 503: busy", start=0.3, end=0.31))
+    report = build_report(results, duration=2.5, settings={"model": "tiny"})
+    report["requests"] = request_records(results)
+    report["server_check"] = {"ttft_ratio": 1.02, "itl_ratio": 0.97, "agree_within_10pct": True}
+    report["steps"] = {"max_step_s": 0.6, "max_step_tokens": 903}
+    return report
+
+
+def test_cdf_points_rise_to_one():
+    assert cdf_points([3.0, 1.0, 2.0]) == ([1.0, 2.0, 3.0], [pytest.approx(1 / 3), pytest.approx(2 / 3), 1.0])
+
+
+def test_request_records_round_trip_the_timings():
+    report = synthetic_report(0.1)
+    back = results_from_records(report["requests"])
+    assert back[6].ttft == pytest.approx(1.7) and back[0].tpot == pytest.approx((0.5 + 0.1 - 0.2) / 3)
+    assert not back[7].ok
+
+
+def test_pictures_are_written_as_png(tmp_path):
+    runs = [("WholePrompt, budget 2048", synthetic_report(0.9)),
+            ("chunk 64, budget 512", synthetic_report(0.1))]
+    steps = [StepRecord(0.0, 0.05, 0, 40), StepRecord(0.05, 0.6, 3, 900), StepRecord(0.65, 0.04, 4, 0)]
+    paths = [
+        plot_run(runs[0][1], tmp_path / "run.png"),
+        plot_sweep_ttft(runs, tmp_path / "ttft.png"),
+        plot_sweep_tpot(runs, tmp_path / "tpot.png"),
+        plot_timelines([Timeline(label, steps, 512, [0.2]) for label, _ in runs], tmp_path / "t.png"),
+    ]
+    for p in paths:
+        assert p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 10_000
+
+
+def test_settings_cap_the_chunk_at_the_budget_and_add_the_big_whole_prompt_case():
+    settings = parse_settings("0,16,64,1024,32:128", 512, whole_prompt_budget=2048)
+    assert settings == [Setting(0, 2048), Setting(0, 512), Setting(16, 512), Setting(64, 512),
+                        Setting(512, 512), Setting(32, 128)]
+    assert [s.slug for s in settings[:3]] == ["whole-b2048", "whole-b512", "chunk16-b512"]
+    assert settings[2].policy == "Chunked(16)" and settings[0].policy == "WholePrompt"
+    assert parse_settings("0,0", 512) == [Setting(0, 512)]
+    with pytest.raises(ValueError):
+        parse_settings("-1", 512)
+
+
+def test_comparison_table_carries_the_perf_md_columns():
+    rows = [table_row(Setting(0, 2048), synthetic_report(0.9)),
+            table_row(Setting(64, 512), synthetic_report(0.1)),
+            table_row(Setting(16, 512), {"settings": {}, "error": "server exited with 1\nTraceback"})]
+    assert rows[0]["short_stalled"] == 6 and rows[1]["short_stalled"] == 0
+    assert rows[0]["short_max_gap_s"] == pytest.approx(0.9)
+    assert rows[0]["long_ttft_p50_s"] == pytest.approx(1.7)
+    summary = {"machine": {"nproc": 2, "cpu_model": "X", "platform": "Linux", "python": "3.11", "torch": "2",
+                           "loadavg_at_start": (1.0, 1.0, 1.0)},
+               "workload": {"workload": "M"}, "options": {"stall_threshold": 0.5}, "rows": rows}
+    md = markdown(summary)
+    # TPOT (0.5 + 0.9 - 0.2) / 3 = 400 ms; worst gap 900 ms
+    assert "| WholePrompt, budget 2048 | 400/400 | 900 | 6 of 6 | 200/200 | 1.70 / 1.70 |" in md
+    assert "| chunk 16, budget 512 | failed: server exited with 1 |" in md
+    assert "1.020, 0.970" in md and "2 cores (X)" in md
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_cli.register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+def test_cli_sweep_defaults_to_workload_m_and_bench_to_random():
+    args = parse(["bench", "sweep", "--seed", "4"])
+    assert args.func is bench_cli.sweep_command and args.prefill_chunk == "0,16,64,256"
+    specs, desc = bench_cli.build_workload(args)
+    assert desc["workload"] == "M" and len(specs) == 52 and desc["seed"] == 4
+    args = parse(["bench", "--url", "http://h", "--out", "r.json", "--num-requests", "5",
+                  "--request-rate", "inf", "--input-len", "10", "--output-len", "3"])
+    specs, desc = bench_cli.build_workload(args)
+    assert args.func is bench_cli.bench_command
+    assert [(s.prompt_len, s.output_len, s.arrival_s) for s in specs] == [(10, 3, 0.0)] * 5
+
+
+def test_cli_workload_m_takes_smaller_overrides():
+    args = parse(["bench", "sweep", "--num-requests", "6", "--long-input-len", "200", "--request-rate", "5"])
+    specs, _ = bench_cli.build_workload(args)
+    assert sum(s.kind == "short" for s in specs) == 6
+    assert [s.prompt_len for s in specs if s.kind == "long"] == [200] * 4
