@@ -11,13 +11,15 @@ def plan(s: Scheduler, out: ScheduleOutput) -> StepPlan:
     seqs: list[ForwardSeq] = []
     sample = []
     for rid in out.decodes:
-        n = s.num_tokens(rid)
+        r = s.request(rid)
+        n = len(r.tokens)
         # The newest token goes in at n - 1: position n does not exist yet (it is what we sample).
-        seqs.append(ForwardSeq(rid, s.token_span(rid, n - 1, n), n - 1, tuple(s.block_table(rid))))
+        seqs.append(ForwardSeq(rid, r.tokens[n - 1 :], n - 1, tuple(r.block_table)))
         sample.append((len(seqs) - 1, rid))
     for c in out.chunks:
-        tokens = s.token_span(c.request_id, c.start, c.start + c.length)
-        seqs.append(ForwardSeq(c.request_id, tokens, c.start, tuple(s.block_table(c.request_id))))
+        r = s.request(c.request_id)
+        tokens = r.tokens[c.start : c.start + c.length]
+        seqs.append(ForwardSeq(c.request_id, tokens, c.start, tuple(r.block_table)))
         # A middle chunk's last row predicts a token the prompt already has: computed, then dropped.
         if c.last:
             sample.append((len(seqs) - 1, c.request_id))

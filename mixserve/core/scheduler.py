@@ -231,13 +231,9 @@ class Scheduler:
         """Prompt + generated so far."""
         return list(self._get(request_id).tokens)
 
-    def num_tokens(self, request_id: RequestId) -> int:
-        """len(tokens(request_id)) without the copy."""
-        return len(self._get(request_id).tokens)
-
-    def token_span(self, request_id: RequestId, start: int, stop: int) -> list[int]:
-        """tokens(request_id)[start:stop] without copying the rest."""
-        return self._get(request_id).tokens[start:stop]
+    def request(self, request_id: RequestId) -> Request:
+        """The live state of a request, for plan() and tests: read it, never change it."""
+        return self._get(request_id)
 
     def output(self, request_id: RequestId) -> list[int]:
         """Generated so far; still readable once the request finished."""
