@@ -51,7 +51,7 @@ def test_only_small_decode_only_batches_have_a_key():
     graphs = DecodeGraphs(lambda ids, meta: ids, block_size=BLOCK_SIZE, max_num_seqs=4, scratch_block=SCRATCH,
                           device=torch.device("cpu"), max_ctx=64)
     decode = ForwardSeq("a", [1], 9, [0, 1, 2])
-    assert graphs.key(ForwardBatch([decode] * 3)) == (4, 64)
+    assert graphs.key(ForwardBatch([decode] * 3)) == (4, 12)
     assert graphs.key(ForwardBatch([decode] * 5)) is None  # over max_num_seqs
     assert graphs.key(ForwardBatch([decode, ForwardSeq("b", [1, 2], 0, [3])])) is None  # a chunk: eager
     assert graphs.key(ForwardBatch([ForwardSeq("c", [1], 100, list(range(26)))])) is None  # past max_ctx
@@ -74,4 +74,4 @@ def test_static_buffer_decode_matches_the_eager_runner(tiny_model_dir):
     graphed = graphs.run(decodes)  # 3 rows padded to 4
     assert graphed.shape == eager.shape
     torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-4)
-    assert list(graphs.graphs) == [(4, 64)]
+    assert list(graphs.graphs) == [(4, 8)]

@@ -54,7 +54,8 @@ def run_both(batch: ForwardBatch, seed: int = 0, num_blocks: int = NUM_BLOCKS) -
 def test_bucket_pads_to_a_few_sizes():
     assert bucket(1) == FLEX_BLOCK and bucket(129) == 256 and bucket(4096) == 4096
     assert bucket(4097) == 8192 and bucket(9000) == 12288
-    assert context_capacity(5, 16) == 64 and context_capacity(513, 16) == 1024
+    assert context_capacity(5, 16) == 16 and context_capacity(513, 16) == 576
+    assert context_capacity(640, 16) == 640 and context_capacity(5, 4) == 8
 
 
 def test_host_inputs_follow_the_block_tables():
@@ -89,7 +90,7 @@ def test_decode_only_batch_takes_dense_path_and_matches_reference():
     batch = ForwardBatch([seq("a", 1, 9, [5, 6, 7]), seq("b", 1, 0, [1]), seq("c", 1, 3, [2])])
     assert is_decode_only(batch)
     meta = FlexAttentionBackend().prepare(batch, BLOCK_SIZE, torch.device("cpu"))
-    assert "decode" in meta.extra and meta.block_tables.shape == (3, 64 // BLOCK_SIZE)
+    assert "decode" in meta.extra and meta.block_tables.shape == (3, 12 // BLOCK_SIZE)
     ref, flex, _, _ = run_both(batch, seed=1)
     torch.testing.assert_close(flex, ref, atol=1e-5, rtol=1e-5)
 

@@ -38,9 +38,15 @@ def bucket(n: int, minimum: int = FLEX_BLOCK) -> int:
 
 
 def context_capacity(max_seq_len: int, block_size: int) -> int:
-    """Context capacity C of the dense decode path: a bucket of the longest context, whole blocks."""
-    c = bucket(max_seq_len, minimum=max(block_size, 64))
-    return -(-c // block_size) * block_size
+    """Context capacity C of the dense decode path: whole blocks, at most ~1/16 over the longest context.
+
+    Steps of a sixteenth of the enclosing power of two keep the wasted reads small while contexts grow
+    through only a few capacities (each one a CUDA graph per batch size).
+    """
+    n = max(max_seq_len, 1)
+    step = max(1, (1 << (n - 1).bit_length()) // 16)
+    step = -(-step // block_size) * block_size
+    return -(-n // step) * step
 
 
 @dataclass
@@ -206,20 +212,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, ctx: int) -> torch.Tensor:
     """Dense decode attention: q (S, Hq, D) against each sequence's first ctx cache slots, masked to seq_lens.
 
-    Static shapes for a given (S, ctx): safe inside a CUDA graph. GQA by grouping query heads per KV head.
+    Static shapes for a given (S, ctx): safe inside a CUDA graph. K/V are gathered once, straight into
+    (Hkv, S, C, D), so both matmuls read them in place; GQA groups the query heads of each KV head.
     """
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    table = block_tables[:, : ctx // block_size]
-    k = k_cache[table].view(num_seqs, ctx, num_kv_heads, head_dim)
-    v = v_cache[table].view(num_seqs, ctx, num_kv_heads, head_dim)
-    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("shgd,schd->shgc", qg, k).float() * (1.0 / math.sqrt(head_dim))
+    group = num_heads // num_kv_heads
+    table = block_tables[:, : ctx // block_size].reshape(-1)
+    batch = num_kv_heads * num_seqs
+    k = torch.index_select(k_cache.permute(2, 0, 1, 3), 1, table).view(batch, ctx, head_dim)
+    v = torch.index_select(v_cache.permute(2, 0, 1, 3), 1, table).view(batch, ctx, head_dim)
+    qb = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).reshape(batch, group, head_dim)
+    scores = torch.bmm(qb.to(k.dtype), k.transpose(1, 2)).float() * (1.0 / math.sqrt(head_dim))
     visible = torch.arange(ctx, device=q.device)[None, :] < seq_lens[:, None]  # (S, C)
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.einsum("shgc,schd->shgd", probs, v)
-    return out.reshape(num_seqs, num_heads, head_dim)
+    scores = scores.view(num_kv_heads, num_seqs, group, ctx).masked_fill(~visible[None, :, None, :],
+                                                                          float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(batch, group, ctx)
+    out = torch.bmm(probs, v).view(num_kv_heads, num_seqs, group, head_dim).transpose(0, 1)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -268,9 +278,10 @@ class FlexAttentionBackend(AttentionBackend):
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, decode.ctx)
         plan: FlexPlan = meta.extra["flex"]
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        # Gather straight into (Hkv, KV, D): contiguous, the layout flex wants.
-        keys = k_cache.view(-1, num_kv_heads, head_dim).permute(1, 0, 2)[:, plan.kv_slots]
-        values = v_cache.view(-1, num_kv_heads, head_dim).permute(1, 0, 2)[:, plan.kv_slots]
+        # Gather straight into (Hkv, KV, D): index_select returns it contiguous, the layout flex wants.
+        slots = plan.kv_slots
+        keys, values = (torch.index_select(c.view(-1, num_kv_heads, head_dim).transpose(0, 1), 1, slots)
+                        for c in (k_cache, v_cache))
         query = F.pad(q.transpose(0, 1), (0, 0, 0, plan.q_pad - plan.num_tokens))
         out = self._flex_fn(q.device)(query[None].to(keys.dtype), keys[None], values[None],
                               block_mask=plan.block_mask, enable_gqa=True)
