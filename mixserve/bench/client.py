@@ -26,9 +26,12 @@ def base_url(url: str) -> str:
     return url
 
 
-def request_body(spec: RequestSpec, model: str) -> dict:
-    """A greedy streaming /v1/completions body that asks for exactly spec.output_len tokens."""
-    return {
+def request_body(spec: RequestSpec, model: str, logprobs: int | None = None) -> dict:
+    """A greedy streaming /v1/completions body that asks for exactly spec.output_len tokens.
+
+    logprobs (any N >= 0) makes servers that hold back incomplete text still send one chunk per token.
+    """
+    body = {
         "model": model,
         "prompt": spec.prompt,
         "max_tokens": spec.output_len,
@@ -37,16 +40,19 @@ def request_body(spec: RequestSpec, model: str) -> dict:
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
     }
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+    return body
 
 
 async def stream_one(
-    client: httpx.AsyncClient, url: str, model: str, spec: RequestSpec, t0: float
+    client: httpx.AsyncClient, url: str, model: str, spec: RequestSpec, t0: float, logprobs: int | None = None
 ) -> RequestResult:
     """Stream one completion; every failure becomes RequestResult.error, never an exception."""
     r = RequestResult(spec.index, spec.kind, spec.prompt_len, spec.output_len)
     r.start = time.perf_counter() - t0
     try:
-        async with client.stream("POST", url, json=request_body(spec, model)) as resp:
+        async with client.stream("POST", url, json=request_body(spec, model, logprobs)) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 r.error = f"HTTP {resp.status_code}: {body[:200]}"
@@ -110,6 +116,7 @@ async def run_load(
     max_concurrency: int | None = None,
     timeout_s: float = 600.0,
     progress: bool = True,
+    logprobs: int | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> LoadRun:
     """Send every spec at its arrival offset (seconds after start) and stream them all to the end."""
@@ -125,10 +132,10 @@ async def run_load(
         async def one(spec: RequestSpec) -> RequestResult:
             await asyncio.sleep(max(0.0, spec.arrival_s - (time.perf_counter() - t0)))
             if gate is None:
-                result = await stream_one(client, root + COMPLETIONS_PATH, model, spec, t0)
+                result = await stream_one(client, root + COMPLETIONS_PATH, model, spec, t0, logprobs)
             else:
                 async with gate:
-                    result = await stream_one(client, root + COMPLETIONS_PATH, model, spec, t0)
+                    result = await stream_one(client, root + COMPLETIONS_PATH, model, spec, t0, logprobs)
             bar.update(1)
             return result
 

@@ -117,9 +117,9 @@ class Timeline:
 
 def plot_timelines(timelines: Sequence[Timeline], path: str | Path) -> Path:
     """Tokens per step over time, decode and prefill stacked, one panel per setting on a shared time axis."""
-    fig, axes = plt.subplots(len(timelines), 1, figsize=(14, 2.6 * len(timelines) + 0.8), sharex=True,
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(15, 2.6 * len(timelines) + 0.8), sharex=True,
                              squeeze=False)
-    for ax, tl in zip(axes[:, 0], timelines, strict=True):
+    for n, (ax, tl) in enumerate(zip(axes[:, 0], timelines, strict=True)):
         starts = [s.start_s for s in tl.steps]
         widths = [max(s.duration_s, 1e-4) for s in tl.steps]
         decode = [s.decode_tokens for s in tl.steps]
@@ -127,13 +127,14 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path) -> Path:
         ax.bar(starts, decode, widths, align="edge", color="tab:blue", lw=0, label="decode tokens")
         ax.bar(starts, prefill, widths, bottom=decode, align="edge", color="tab:orange", lw=0,
                label="prefill tokens")
-        ax.axhline(tl.budget, color="black", ls="--", lw=1, label=f"max_batch_tokens {tl.budget}")
+        ax.axhline(tl.budget, color="black", ls="--", lw=1, label="max_batch_tokens (budget)")
         for i, t in enumerate(tl.long_arrivals):
             ax.axvline(t, color="tab:red", ls=":", lw=1.2, label="long prompt arrives" if i == 0 else None)
         ax.set_ylabel("tokens in step")
         ax.set_title(f"{tl.label}: {len(tl.steps)} steps", fontsize=10, loc="left")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper right", ncol=4)
+        if n == 0:  # one legend, outside the plot, so no bar hides behind it
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.005, 1.0))
     axes[-1, 0].set_xlabel("time since the bench started (s); a bar is one step, as wide as it ran")
     return _save(fig, path)
 

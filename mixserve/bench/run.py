@@ -25,6 +25,7 @@ class RunOptions:
     warmup: int = 2  # short requests sent one by one before measuring, so first-call costs stay out
     vocab_size: int = 32000
     timeout_s: float = 600.0
+    logprobs: int | None = None  # ask for logprobs so a server sends a chunk for every token
     progress: bool = True
 
 
@@ -64,9 +65,11 @@ def run_bench(url: str, specs: Sequence[RequestSpec], opts: RunOptions, settings
             raise RuntimeError(f"the server at {root} failed every warm-up request: {failed[0]}")
     before = promcheck.scrape(root)
     run: LoadRun = asyncio.run(run_load(root, specs, model=opts.model, max_concurrency=opts.max_concurrency,
-                                        timeout_s=opts.timeout_s, progress=opts.progress))
+                                        timeout_s=opts.timeout_s, logprobs=opts.logprobs,
+                                        progress=opts.progress))
     after = promcheck.scrape(root)
     settings = dict(settings or {}, url=root, model=run.model, max_concurrency=opts.max_concurrency,
+                    logprobs=opts.logprobs,
                     warmup_requests=opts.warmup, t0_monotonic=run.t0_monotonic, t0_wall=run.t0_wall)
     report = build_report(run.results, run.duration, settings=settings, slo_ttft=opts.slo_ttft,
                           slo_tpot=opts.slo_tpot, stall_threshold=opts.stall_threshold)

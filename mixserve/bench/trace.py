@@ -46,9 +46,9 @@ def read_step_trace(path: str | Path, clocks: Sequence[float] = ()) -> list[Step
             continue  # a line cut short when the server stopped mid-write
     if not rows:
         return []
-    times = [_first(r, "time", "t", "timestamp") for r in rows]
+    # mixserve's engine writes "time" as the wall clock when the step began (time.time())
+    starts = [_first(r, "time", "start", "timestamp") for r in rows]
     durations = [_first(r, "duration_s", "duration") for r in rows]
-    starts = [t - d for t, d in zip(times, durations, strict=True)] if _time_is_end(rows) else times
     origin = min(clocks, key=lambda c: abs(c - starts[0])) if clocks else min(starts)
     return [
         StepRecord(s - origin, d, int(_first(r, "decode_tokens", "num_decode_tokens")),
@@ -56,7 +56,3 @@ def read_step_trace(path: str | Path, clocks: Sequence[float] = ()) -> list[Step
         for s, d, r in zip(starts, durations, rows, strict=True)
     ]
 
-
-def _time_is_end(rows: list[dict]) -> bool:
-    # A trace may name its time field explicitly; otherwise "time" is written when the step ends.
-    return not any("start" in r or "time_start" in r for r in rows)

@@ -58,6 +58,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="a gap between two tokens over this many seconds is a stall (default %(default)s)")
     g.add_argument("--warmup", type=int, default=2, help="unmeasured requests sent first (default 2)")
     g.add_argument("--timeout", type=float, default=600.0, help="per-request read timeout, s (default 600)")
+    g.add_argument("--logprobs", type=int, help="request N logprobs per token: servers that hold back "
+                   "incomplete text then still stream one chunk per token (exact inter-token gaps)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -126,7 +128,8 @@ def build_workload(args: argparse.Namespace) -> tuple[list[RequestSpec], dict]:
 def run_options(args: argparse.Namespace) -> RunOptions:
     return RunOptions(model=args.model, max_concurrency=args.max_concurrency, slo_ttft=args.slo_ttft,
                       slo_tpot=args.slo_tpot, stall_threshold=args.stall_threshold, warmup=args.warmup,
-                      vocab_size=args.vocab_size, timeout_s=args.timeout, progress=not args.no_progress)
+                      vocab_size=args.vocab_size, timeout_s=args.timeout, logprobs=args.logprobs,
+                      progress=not args.no_progress)
 
 
 def bench_command(args: argparse.Namespace) -> int:

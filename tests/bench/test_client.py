@@ -51,11 +51,20 @@ def test_run_load_streams_token_prompts_and_reads_usage():
     assert all(b["stream"] and b["stream_options"] == {"include_usage": True} and b["ignore_eos"]
                for b in seen)
     assert sorted(b["prompt"] for b in seen) == [[1, 2, 3], [4] * 10]
+    assert all(b["max_tokens"] == s.output_len and b["temperature"] == 0.0 and "logprobs" not in b
+               for b, s in zip(sorted(seen, key=lambda b: len(b["prompt"])), specs, strict=True))
     r0, r1 = results
     assert r0.ok and r1.ok and r1.kind == "long"
     # 5 tokens in 4 chunks: the first chunk held two; the last had no text yet still a token
     assert len(r0.token_times) == 4 and r0.completion_tokens == 5 and r0.prompt_tokens == 3
     assert r0.token_times == sorted(r0.token_times) and r0.ttft >= 0 and r0.end >= r0.token_times[-1]
+
+
+def test_logprobs_are_requested_only_when_asked():
+    seen: list[dict] = []
+    asyncio.run(run_load("http://fake", [RequestSpec(0, 0.0, [1], 1, 3)], model="m", logprobs=0,
+                         transport=fake_server(seen), progress=False))
+    assert seen[0]["logprobs"] == 0
 
 
 def test_http_errors_become_failed_results_with_reasons():
