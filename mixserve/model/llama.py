@@ -1,0 +1,138 @@
+"""A Llama-family decoder over packed tokens: fused QKV and gate/up projections, paged KV via a backend."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixserve.model.attention.base import AttentionBackend, AttentionMetadata
+from mixserve.model.config import ModelConfig
+from mixserve.model.errors import ModelLoadError
+from mixserve.model.rope import RotaryTable, apply_rotary
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP, each with a residual; weights fused at load time."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.eps = cfg.rms_norm_eps
+        self.input_norm = _param(h, dtype=dtype, device=device)
+        self.qkv = _param(self.q_size + 2 * self.kv_size, h, dtype=dtype, device=device)
+        bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device) if cfg.qkv_bias else None
+        self.qkv_bias = bias
+        self.o_proj = _param(h, self.q_size, dtype=dtype, device=device)
+        self.post_norm = _param(h, dtype=dtype, device=device)
+        self.gate_up = _param(2 * cfg.intermediate_size, h, dtype=dtype, device=device)
+        self.down = _param(h, cfg.intermediate_size, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        x = rms_norm(hidden, self.input_norm, self.eps)
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        o = attn.forward(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta)
+        hidden = hidden + F.linear(o.reshape(t, self.q_size), self.o_proj)
+        x = rms_norm(hidden, self.post_norm, self.eps)
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, self.down)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 like HF, then scaled in the weight's dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head; forward() returns logits of chosen tokens."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__()
+        device = torch.device(device)
+        self.config = cfg
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
+        )
+        self.rotary = RotaryTable(cfg, device, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        """Packed tokens (T,) -> float32 logits (S, vocab) of the tokens at meta.last_token_index."""
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.lookup(meta.positions)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, k_cache, v_cache, attn, meta)
+        hidden = rms_norm(hidden[meta.last_token_index], self.norm, self.config.rms_norm_eps)
+        return F.linear(hidden, self.lm_head).float()
+
+    @torch.no_grad()
+    def load_hf_weights(self, sd: Mapping[str, torch.Tensor], where: str, inv_freq=None) -> None:
+        """Copy HF-named weights (model.layers.N.self_attn.q_proj.weight, ...) in, fusing QKV and gate/up."""
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return sd[name]
+            except KeyError:
+                raise ModelLoadError(f"{where}: missing weight {name}") from None
+
+        def put(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ModelLoadError(f"{where}: weight {name} has shape {tuple(src.shape)}, "
+                                     f"expected {tuple(dst.shape)}")
+            dst.copy_(src)
+
+        put(self.embed, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        put(self.norm, take("model.norm.weight"), "model.norm.weight")
+        if not self.config.tie_word_embeddings:
+            put(self.lm_head, take("lm_head.weight"), "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            norms = ((layer.input_norm, "input_layernorm"), (layer.post_norm, "post_attention_layernorm"))
+            for dst, n in norms:
+                put(dst, take(p + n + ".weight"), p + n + ".weight")
+            a = p + "self_attn."
+            qkv = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
+            put(layer.qkv, qkv, a + "qkv_proj.weight")
+            if layer.qkv_bias is not None:
+                bias = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
+                put(layer.qkv_bias, bias, a + "qkv_proj.bias")
+            put(layer.o_proj, take(a + "o_proj.weight"), a + "o_proj.weight")
+            m = p + "mlp."
+            put(layer.gate_up, torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
+                m + "gate_up_proj.weight")
+            put(layer.down, take(m + "down_proj.weight"), m + "down_proj.weight")
+        if inv_freq is not None:
+            self.rotary = RotaryTable(self.config, self.embed.device, self.embed.dtype, inv_freq=inv_freq)

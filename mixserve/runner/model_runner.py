@@ -1,0 +1,115 @@
+"""ModelRunner: one ForwardBatch (decodes and prefill chunks mixed) -> one model forward -> logits per seq."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mixserve.core.batch import ForwardBatch
+from mixserve.model.attention import get_backend
+from mixserve.model.attention.base import AttentionBackend, packed_tokens
+from mixserve.model.config import ModelConfig
+from mixserve.model.llama import LlamaModel
+from mixserve.model.loader import load_model
+from mixserve.model.tokenizer import Tokenizer
+from mixserve.runner.kv_cache import KVCache, num_blocks_for_memory
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" -> cuda when available, else cpu; anything else as torch names it."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}: expected auto, cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available here")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """None/"auto" -> float32 on CPU, bfloat16 on CUDA; names like "bfloat16" or "fp32" are accepted."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}: expected auto, float32, bfloat16 or float16")
+    return names[dtype]
+
+
+class ModelRunner:
+    """Holds the model, its paged KV cache and an attention backend; forward() runs one mixed batch."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: Tokenizer,
+        *,
+        num_blocks: int,
+        block_size: int,
+        attention: AttentionBackend,
+        model_name: str,
+        path: Path | None = None,
+    ):
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.device: torch.device = model.embed.device
+        self.dtype: torch.dtype = model.embed.dtype
+        self.max_model_len: int = self.config.max_position_embeddings
+        self.model_name = model_name
+        self.path = path
+        self.attention = attention
+        self.kv_cache = KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | Path | None = None,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype | None = None,
+        attention_backend: str = "auto",
+        kv_cache_gib: float = 2.0,
+        gpu_memory_utilization: float = 0.9,
+    ) -> ModelRunner:
+        """Load a GGUF file or HF folder (None: the default model) and allocate `num_blocks` KV blocks.
+
+        num_blocks=0 sizes the cache from memory: `kv_cache_gib` on the CPU, `gpu_memory_utilization` of
+        the GPU."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be 0 (size from memory) or positive, got {num_blocks}")
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        attention = get_backend(attention_backend, dev)
+        loaded = load_model(model, device=dev, dtype=dt)
+        if num_blocks == 0:
+            num_blocks = num_blocks_for_memory(loaded.config, block_size, dt, dev, kv_cache_gib,
+                                               gpu_memory_utilization)
+        return cls(loaded.model, loaded.tokenizer, num_blocks=num_blocks, block_size=block_size,
+                   attention=attention, model_name=loaded.name, path=loaded.path)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token takes in the cache over all layers."""
+        return self.config.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """(len(batch.seqs), vocab) float32 logits: row i is the last token of seqs[i].
+
+        Writes every token's K/V into the slots its block table names; one model forward for all seqs."""
+        with torch.inference_mode():
+            meta = self.attention.prepare(batch, self.block_size, self.device)
+            input_ids = packed_tokens(batch, self.device)
+            return self.model(input_ids, meta, self.kv_cache.layers, self.attention)
