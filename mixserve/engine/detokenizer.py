@@ -37,3 +37,10 @@ class IncrementalDetokenizer:
             self.prefix, self.read = self.read, len(self.ids)
             return after[len(before) :]
         return ""
+
+    def flush(self) -> str:
+        """The text still held back at the end (an incomplete character decodes as U+FFFD)."""
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.ids[self.prefix :], skip_special_tokens=True)
+        self.prefix = self.read = len(self.ids)
+        return after[len(before) :]

@@ -28,9 +28,19 @@ class LLM:
         options = dict(engine_options)
         if model is not None:
             options["model"] = str(model)
-        self.cfg = load_config(None, {"engine": options}).engine
-        self.engine = LLMEngine.from_config(self.cfg)
-        self.tokenizer = self.engine.tokenizer
+        self._attach(LLMEngine.from_config(load_config(None, {"engine": options}).engine))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """An LLM over an engine built elsewhere (e.g. several engines sharing one loaded runner)."""
+        llm = cls.__new__(cls)
+        llm._attach(engine)
+        return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.cfg = engine.cfg
+        self.tokenizer = engine.tokenizer
         self._ids = itertools.count()
 
     def generate(

@@ -11,7 +11,15 @@ from typing import IO, Any
 import torch
 
 from mixserve.config import EngineConfig
-from mixserve.core import Chunked, Scheduler, SchedulerConfig, SchedulerStats, WholePrompt, plan
+from mixserve.core import (
+    Chunked,
+    ScheduleOutput,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerStats,
+    WholePrompt,
+    plan,
+)
 from mixserve.engine.outputs import RequestUpdate, TokenLogprobs
 from mixserve.engine.request_state import RequestState
 from mixserve.engine.sampling_params import SamplingParams
@@ -178,8 +186,11 @@ class LLMEngine:
         rows = [row for row, _ in step_plan.sample]
         rids = [rid for _, rid in step_plan.sample]
         states = [self._requests[rid] for rid in rids]
+        if not rows:  # only middle chunks this step: nothing to sample
+            self.scheduler.update(out, {})
+            return self._end_step(start, wall, out, len(step_plan.batch.seqs), 0, [])
         if rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(rows, device=logits.device)]
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         result = self.sampler(logits, [self._sampling_row(s) for s in states])
         finished_by_length = set(self.scheduler.update(out, dict(zip(rids, result.token_ids, strict=True))))
         now = time.monotonic()
@@ -200,13 +211,18 @@ class LLMEngine:
                 self.scheduler.finish(state.request_id)
                 self.scheduler.abort(state.request_id)
                 del self._requests[state.request_id]
+        return self._end_step(start, wall, out, len(step_plan.batch.seqs), prompt_tokens, updates)
+
+    def _end_step(self, start: float, wall: float, out: ScheduleOutput, num_seqs: int, prompt_tokens: int,
+                  updates: list[RequestUpdate]) -> list[RequestUpdate]:
+        """Count the step and write its trace line."""
         duration = time.monotonic() - start
         self._num_steps += 1
         self._prompt_tokens += prompt_tokens
-        self._generation_tokens += len(states)
-        self._step = (prompt_tokens, len(states), len(out.preempted), duration)
+        self._generation_tokens += len(updates)
+        self._step = (prompt_tokens, len(updates), len(out.preempted), duration)
         if self._trace is not None:
-            self._write_trace(wall, out.decodes, out.num_tokens, len(step_plan.batch.seqs), duration)
+            self._write_trace(wall, out.decodes, out.num_tokens, num_seqs, duration)
         return updates
 
     def stats(self) -> EngineStats:

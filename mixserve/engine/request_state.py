@@ -38,6 +38,7 @@ class RequestState:
         self.token_times: list[float] = []
         self.finished_at: float | None = None
         self.finish_reason: str | None = None
+        self.stopped_by_string = False
 
     @property
     def num_generated(self) -> int:
@@ -60,6 +61,7 @@ class RequestState:
             hits = [i for i in (self.text.find(s, begin) for s in self.params.stop) if i >= 0]
             if hits:
                 self.text = self.text[: min(hits)]
+                self.stopped_by_string = True
                 return "stop"
         return None
 
@@ -68,6 +70,8 @@ class RequestState:
         if finish_reason is None:
             end = len(self.text) - self._held_back()
         else:
+            if not self.stopped_by_string:
+                self.text += self.detok.flush()  # the last tokens may end inside a character
             end = len(self.text)
             self.finish_reason, self.finished_at = finish_reason, now
         new_text = self.text[self.emitted : end]

@@ -75,3 +75,8 @@ def test_metrics_record_every_token_time() -> None:
     m = state.output().metrics
     assert (m.arrival, m.first_token, m.token_times, m.finished) == (0.0, 1.0, (1.0, 2.0, 3.0), 3.0)
     assert m.ttft == 1.0 and m.tpot == 1.0
+
+
+def test_a_request_ending_inside_a_character_keeps_its_bytes_as_replacement() -> None:
+    deltas, state, reason = run([1, 9])
+    assert reason == "length" and deltas == ["Hel", "\ufffd"] and state.output().text == "Hel\ufffd"
