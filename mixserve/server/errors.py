@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -55,9 +56,17 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
+# pydantic names the member of a union it tried ("str", "list[int]", "function-after[...]"): not a field
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|.*[\[\]-].*)$")
+
+
 def _param_of(loc: tuple[Any, ...]) -> str | None:
-    """`("body", "messages", 0, "role")` -> "messages.0.role"."""
-    parts = [str(p) for p in loc if p != "body"]
+    """`("body", "messages", 0, "role")` -> "messages.0.role"; stops at a union member's name."""
+    parts = []
+    for p in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(p, str) and _UNION_MEMBER.match(p):
+            break
+        parts.append(str(p))
     return ".".join(parts) or None
 
 
