@@ -19,7 +19,12 @@ import torch
 
 from mixserve.core.batch import ForwardBatch
 from mixserve.model.attention.base import AttentionMetadata
-from mixserve.model.attention.flex import DecodePlan, FlexAttentionBackend, context_capacity, is_decode_only
+from mixserve.model.attention.flex import (
+    DecodePlan,
+    FlexAttentionBackend,
+    context_capacity,
+    dense_decode_capacity,
+)
 
 DEFAULT_MAX_CTX = 4096  # longer decodes run eagerly: the dense decode path reads ctx slots per row
 
@@ -118,11 +123,9 @@ class DecodeGraphs:
 
     def key(self, batch: ForwardBatch) -> tuple[int, int] | None:
         """(padded size, context capacity) for a batch a graph can run, else None (run it eagerly)."""
-        if not is_decode_only(batch):
-            return None
+        ctx = dense_decode_capacity(batch, self.block_size)
         size = graph_size(len(batch.seqs), self.ladder)
-        ctx = context_capacity(max(s.start + 1 for s in batch.seqs), self.block_size)
-        if size is None or ctx > self.max_ctx:
+        if ctx is None or size is None or ctx > self.max_ctx:
             return None
         return size, ctx
 

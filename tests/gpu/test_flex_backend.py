@@ -12,6 +12,7 @@ from mixserve.model.attention.flex import (
     block_ranges,
     bucket,
     context_capacity,
+    dense_decode_capacity,
     host_inputs,
     is_decode_only,
 )
@@ -87,11 +88,21 @@ def test_mixed_batch_matches_reference():
 
 
 def test_decode_only_batch_takes_dense_path_and_matches_reference():
-    batch = ForwardBatch([seq("a", 1, 9, [5, 6, 7]), seq("b", 1, 0, [1]), seq("c", 1, 3, [2])])
+    batch = ForwardBatch([seq("a", 1, 9, [5, 6, 7]), seq("b", 1, 7, [1, 9]), seq("c", 1, 8, [2, 10, 12])])
     assert is_decode_only(batch)
     meta = FlexAttentionBackend().prepare(batch, BLOCK_SIZE, torch.device("cpu"))
     assert "decode" in meta.extra and meta.block_tables.shape == (3, 12 // BLOCK_SIZE)
+    assert dense_decode_capacity(batch, BLOCK_SIZE) == 12
     ref, flex, _, _ = run_both(batch, seed=1)
+    torch.testing.assert_close(flex, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_unbalanced_decodes_take_the_packed_path():
+    short = [seq(f"s{i}", 1, 2, [30 + i]) for i in range(4)]
+    batch = ForwardBatch([seq("long", 1, 90, list(range(23))), *short])
+    assert dense_decode_capacity(batch, BLOCK_SIZE) is None
+    assert "flex" in FlexAttentionBackend().prepare(batch, BLOCK_SIZE, torch.device("cpu")).extra
+    ref, flex, _, _ = run_both(batch, seed=4)
     torch.testing.assert_close(flex, ref, atol=1e-5, rtol=1e-5)
 
 

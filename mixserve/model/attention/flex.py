@@ -204,8 +204,21 @@ def block_ranges(q_seq: torch.Tensor, kv_seq: torch.Tensor, num_seqs: int) -> to
 
 
 def is_decode_only(batch: ForwardBatch) -> bool:
-    """True when every sequence is a single-token decode (the dense, graph-capturable path)."""
+    """True when every sequence is a single-token decode."""
     return bool(batch.seqs) and all(len(s.tokens) == 1 for s in batch.seqs)
+
+
+def dense_decode_capacity(batch: ForwardBatch, block_size: int) -> int | None:
+    """Context capacity for the dense decode path, or None when the batch should use the packed path.
+
+    The dense path reads ctx slots per sequence, so it is taken only for decode-only batches whose
+    contexts fill at least half of S x ctx (a mix of one long and many short contexts goes packed).
+    """
+    if not is_decode_only(batch):
+        return None
+    seq_lens = [s.start + 1 for s in batch.seqs]
+    ctx = context_capacity(max(seq_lens), block_size)
+    return ctx if 2 * sum(seq_lens) >= len(seq_lens) * ctx else None
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -260,8 +273,8 @@ class FlexAttentionBackend(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch, block_size: int, device: torch.device) -> AttentionMetadata:
         """Metadata for one forward: the dense decode plan for decode-only batches, else the flex plan."""
-        if is_decode_only(batch):
-            ctx = context_capacity(max(s.start + 1 for s in batch.seqs), block_size)
+        ctx = dense_decode_capacity(batch, block_size)
+        if ctx is not None:
             meta = build_device_metadata(batch, block_size, device, width=ctx // block_size)
             meta.extra["decode"] = DecodePlan(ctx=ctx, block_size=block_size)
             return meta
