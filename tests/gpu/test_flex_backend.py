@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -153,3 +155,22 @@ def test_compiled_flex_matches_reference_on_cuda():
         meta = backend.prepare(batch, BLOCK_SIZE, dev)
         outs.append(backend.forward(q, k, v, kc, vc, meta).float())
     torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
+
+
+def test_a_failing_flex_falls_back_to_the_reference(monkeypatch):
+    backend = FlexAttentionBackend()
+
+    def broken(device):
+        raise RuntimeError("no flex here")
+
+    monkeypatch.setattr(backend, "_flex_fn", broken)
+    batch = mixed_batch()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(batch.num_tokens, h, D, generator=g) for h in (HQ, HKV, HKV))
+    outs = []
+    for b in (TorchAttention(), backend):
+        kc, vc = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, HKV, D), torch.zeros(NUM_BLOCKS, BLOCK_SIZE, HKV, D)
+        with pytest.warns(RuntimeWarning) if b is backend else contextlib.nullcontext():
+            outs.append(b.forward(q, k, v, kc, vc, b.prepare(batch, BLOCK_SIZE, torch.device("cpu"))))
+    torch.testing.assert_close(outs[1], outs[0])
+    assert backend.fallback_reason == "RuntimeError: no flex here"

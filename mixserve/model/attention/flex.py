@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,7 +180,7 @@ def build_flex_plan(meta: AttentionMetadata, block_size: int) -> FlexPlan:
     blocks = block_ranges(q_seq, kv_seq, num_seqs)
     kv_num_blocks = blocks.sum(dim=1, dtype=torch.int32)
     # Stable sort puts the visible KV blocks first, in order, for each Q block.
-    kv_indices = torch.argsort((~blocks).to(torch.int8), dim=1, stable=True).to(torch.int32)
+    kv_indices = torch.argsort((~blocks).to(torch.int32), dim=1, stable=True).to(torch.int32)
     block_mask = BlockMask.from_kv_blocks(
         kv_num_blocks[None, None], kv_indices[None, None], BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
         seq_lengths=(q_pad, kv_pad), **_from_kv_blocks_kwargs(),
@@ -261,6 +262,7 @@ class FlexAttentionBackend(AttentionBackend):
     def __init__(self, compile: bool | None = None) -> None:
         self.compile = compile  # None: compile on CUDA only
         self._flex: dict[bool, Any] = {}
+        self.fallback_reason: str | None = None  # set if flex failed here: packed steps use torch_ref
 
     def _flex_fn(self, device: torch.device):
         from torch.nn.attention.flex_attention import flex_attention
@@ -289,7 +291,19 @@ class FlexAttentionBackend(AttentionBackend):
         decode = meta.extra.get("decode")
         if decode is not None:
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, decode.ctx)
-        plan: FlexPlan = meta.extra["flex"]
+        if self.fallback_reason is None:
+            try:
+                return self._flex_forward(q, k_cache, v_cache, meta.extra["flex"])
+            except Exception as e:  # noqa: BLE001 - a torch/triton build without working flex compile
+                self.fallback_reason = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                warnings.warn(f"FlexAttention failed, mixed steps fall back to the torch reference backend: "
+                              f"{self.fallback_reason}", RuntimeWarning, stacklevel=2)
+        from mixserve.model.attention.torch_ref import TorchAttention
+
+        return TorchAttention().forward(q, k, v, k_cache, v_cache, meta)
+
+    def _flex_forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      plan: FlexPlan) -> torch.Tensor:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         # Gather straight into (Hkv, KV, D): index_select returns it contiguous, the layout flex wants.
         slots = plan.kv_slots
