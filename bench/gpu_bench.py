@@ -270,6 +270,38 @@ def decode(bench: Bench) -> None:
                 f"floor {floor * 1e3:.3f} ms", f"{step / floor:.2f}x floor")
 
 
+def decode_compiled(bench: Bench) -> None:
+    """Optional, last: the same decode graphs around a torch.compile'd model (fewer, fused kernels)."""
+    from mixserve.core import ForwardBatch, ForwardSeq
+    from mixserve.runner.cuda_graph import DecodeGraphs, decode_model_fn
+
+    runner = bench.runner
+    graphs = getattr(runner, "graphs", None)
+    if graphs is None:
+        raise RuntimeError("the runner has no decode graphs")
+    fn = torch.compile(decode_model_fn(runner.model, runner.kv_cache.layers), dynamic=True)
+    compiled = DecodeGraphs(fn, block_size=BLOCK_SIZE, max_num_seqs=graphs.ladder[-1],
+                            scratch_block=graphs.scratch_block, device=bench.device)
+    ctx = 512
+    per_seq = -(-(ctx + 1) // BLOCK_SIZE)
+    wbytes, kv_per_token = weight_bytes(bench), runner.kv_bytes_per_token
+    for b in (64, 256):
+        batch = ForwardBatch([ForwardSeq(f"d{i}", [5 + i], ctx, list(range(i * per_seq, (i + 1) * per_seq)))
+                              for i in range(b)])
+        t0 = time.monotonic()
+        for _ in range(3):
+            compiled.run(batch).argmax(-1).tolist()
+        warm = time.monotonic() - t0
+        bench.sync()
+        t0 = time.perf_counter()
+        for _ in range(30):
+            compiled.run(batch).argmax(-1).tolist()
+        step = (time.perf_counter() - t0) / 30
+        floor = (wbytes + b * (ctx + 1) * kv_per_token) / (bench.copy_gbs * 1e9)
+        row(f"decode b{b} ctx{ctx} (graph + compiled model)", f"{step * 1e3:.3f} ms/step",
+            f"floor {floor * 1e3:.3f} ms", f"{step / floor:.2f}x floor; compile + capture {warm:.0f} s")
+
+
 # ---- 3. prefill ------------------------------------------------------------------------------------
 
 def prefill(bench: Bench) -> None:
@@ -319,10 +351,6 @@ def end_to_end_ours(bench: Bench) -> None:
     shim_jsonschema()
     from mixserve.engine.llm import LLM
 
-    bench.runner = None  # free the section 1-3 runner (and its cache) first
-    gc.collect()
-    if bench.device.type == "cuda":
-        torch.cuda.empty_cache()
     n, out_len = bench.e2e["num_requests"], bench.e2e["output_len"]
     per_req = -(-(bench.e2e["prompt_len"] + out_len) // BLOCK_SIZE)
     options = dict(OUR_ENGINE, num_blocks=n * per_req + 64, device=str(bench.device),
@@ -417,6 +445,8 @@ def main() -> None:
     guarded("4. e2e ours", bench, 40, end_to_end_ours)
     guarded("4. e2e HF defaults", bench, 35, lambda b: end_to_end_hf(b, "defaults"))
     guarded("4. e2e HF cuda graphs", bench, 35, lambda b: end_to_end_hf(b, "cuda_graph"))
+    if bench.runner is not None and bench.copy_gbs and not bench.tiny:
+        guarded("2b. decode, compiled model (optional)", bench, 100, decode_compiled)
     summary(bench)
     print_table()
 
