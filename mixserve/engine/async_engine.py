@@ -19,6 +19,10 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+def thread_alive(thread: threading.Thread | None) -> bool:
+    return thread is not None and thread.is_alive()
+
+
 class EngineDeadError(RuntimeError):
     """The step loop died (or was stopped): no request can run any more."""
 
@@ -73,21 +77,29 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        """False once the step loop has died (or been stopped)."""
+        """False once the step loop has died."""
         return self._error is None
 
     @property
+    def accepting(self) -> bool:
+        """False between stop() and the next start()."""
+        return self._accepting
+
+    @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return thread_alive(self._thread)
 
     async def start(self) -> None:
-        """Start the step thread (idempotent)."""
+        """Start the step thread (idempotent); after stop() it starts a fresh one."""
+        with self._lock:
+            self._accepting = True
         self._start_thread()
 
     def _start_thread(self) -> None:
         with self._lock:
-            if self._thread is not None:
+            if self._thread is not None or not self._accepting or self._error is not None:
                 return
+            self._stop_requested = False
             self._thread = threading.Thread(target=self._run, name="mixserve-step-loop", daemon=True)
             self._thread.start()
 
@@ -102,8 +114,9 @@ class AsyncEngine:
         thread = self._thread
         if thread is not None:
             await asyncio.to_thread(thread.join, max(deadline - time.monotonic(), 0.0) + 5.0)
-        if self._error is None:
-            self._error = EngineDeadError("the engine was stopped")
+        with self._lock:
+            if self._thread is thread and not thread_alive(thread):
+                self._thread = None  # a later start() runs a fresh loop
 
     def num_waiting(self) -> int:
         """Requests not yet running: still in the inbox or waiting in the scheduler."""
@@ -116,8 +129,8 @@ class AsyncEngine:
         if self._error is not None:
             raise EngineDeadError(f"the engine is not running: {self._error}")
         if not self._accepting:
-            raise EngineDeadError("the server is shutting down")
-        self._start_thread()
+            raise EngineDeadError("the engine is stopped (the server is shutting down)")
+        self._start_thread()  # in case no one called start(): an app used without its lifespan
         arrival = time.monotonic() if arrival is None else arrival
         loop = asyncio.get_running_loop()  # per request: tests may run each request on its own loop
         tracked = _Tracked(request_id, list(prompt_token_ids), params, arrival, asyncio.Queue(), loop)

@@ -60,7 +60,7 @@ class ServerState:
 
     def admit(self) -> None:
         """Refuse before queueing: a dead engine (503) or too many requests waiting already (429)."""
-        if not self.engine.healthy:
+        if not self.engine.healthy or not self.engine.accepting:
             raise APIError(503, "The engine is not running.")
         if self.engine.num_waiting() >= self.max_waiting:
             raise APIError(429, f"More than {self.max_waiting} requests are waiting; retry later.")

@@ -188,3 +188,19 @@ def test_metrics_observe_ttft_every_token_gap_and_token_counts():
     assert value("mixserve:num_requests_running") == 0
     assert value("mixserve:kv_cache_usage_perc") == 0
     assert value("mixserve:step_tokens_count") >= 5
+
+
+def test_start_after_stop_serves_again():
+    async def main():
+        engine = AsyncEngine(FakeEngine())
+        await engine.start()
+        first = await drain(engine, "a", [0], 2)
+        await engine.stop(1.0)
+        assert not engine.running and engine.healthy
+        await engine.start()
+        second = await drain(engine, "b", [0], 3)
+        await engine.stop(1.0)
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert (len(first), len(second)) == (2, 3)
