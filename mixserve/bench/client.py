@@ -117,9 +117,14 @@ async def run_load(
     timeout_s: float = 600.0,
     progress: bool = True,
     logprobs: int | None = None,
+    max_duration_s: float | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> LoadRun:
-    """Send every spec at its arrival offset (seconds after start) and stream them all to the end."""
+    """Send every spec at its arrival offset (seconds after start) and stream them all to the end.
+
+    max_duration_s bounds the whole run: what has not finished by then is cancelled (the server sees the
+    client leave) and reported failed, so an overloaded server cannot hold the bench forever.
+    """
     root = base_url(url)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(timeout_s, connect=30.0)
@@ -129,13 +134,22 @@ async def run_load(
         bar = tqdm(total=len(specs), desc="requests", unit="req", disable=not progress, leave=False)
         t0, t0_monotonic, t0_wall = time.perf_counter(), time.monotonic(), time.time()
 
-        async def one(spec: RequestSpec) -> RequestResult:
+        async def send(spec: RequestSpec) -> RequestResult:
             await asyncio.sleep(max(0.0, spec.arrival_s - (time.perf_counter() - t0)))
             if gate is None:
-                result = await stream_one(client, root + COMPLETIONS_PATH, model, spec, t0, logprobs)
-            else:
-                async with gate:
-                    result = await stream_one(client, root + COMPLETIONS_PATH, model, spec, t0, logprobs)
+                return await stream_one(client, root + COMPLETIONS_PATH, model, spec, t0, logprobs)
+            async with gate:
+                return await stream_one(client, root + COMPLETIONS_PATH, model, spec, t0, logprobs)
+
+        async def one(spec: RequestSpec) -> RequestResult:
+            left = None if max_duration_s is None else max_duration_s - (time.perf_counter() - t0)
+            try:
+                async with asyncio.timeout(left):
+                    result = await send(spec)
+            except TimeoutError:
+                result = RequestResult(spec.index, spec.kind, spec.prompt_len, spec.output_len,
+                                       error=f"deadline: unfinished after the run's {max_duration_s} s")
+                result.end = time.perf_counter() - t0
             bar.update(1)
             return result
 

@@ -26,6 +26,7 @@ class RunOptions:
     vocab_size: int = 32000
     timeout_s: float = 600.0
     logprobs: int | None = None  # ask for logprobs so a server sends a chunk for every token
+    max_duration_s: float | None = None  # cancel what is unfinished this long after the start
     progress: bool = True
 
 
@@ -66,10 +67,10 @@ def run_bench(url: str, specs: Sequence[RequestSpec], opts: RunOptions, settings
     before = promcheck.scrape(root)
     run: LoadRun = asyncio.run(run_load(root, specs, model=opts.model, max_concurrency=opts.max_concurrency,
                                         timeout_s=opts.timeout_s, logprobs=opts.logprobs,
-                                        progress=opts.progress))
+                                        max_duration_s=opts.max_duration_s, progress=opts.progress))
     after = promcheck.scrape(root)
     settings = dict(settings or {}, url=root, model=run.model, max_concurrency=opts.max_concurrency,
-                    logprobs=opts.logprobs,
+                    logprobs=opts.logprobs, max_duration_s=opts.max_duration_s,
                     warmup_requests=opts.warmup, t0_monotonic=run.t0_monotonic, t0_wall=run.t0_wall)
     report = build_report(run.results, run.duration, settings=settings, slo_ttft=opts.slo_ttft,
                           slo_tpot=opts.slo_tpot, stall_threshold=opts.stall_threshold)

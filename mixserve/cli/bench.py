@@ -60,6 +60,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=600.0, help="per-request read timeout, s (default 600)")
     g.add_argument("--logprobs", type=int, help="request N logprobs per token: servers that hold back "
                    "incomplete text then still stream one chunk per token (exact inter-token gaps)")
+    g.add_argument("--max-duration", type=float, help="cancel requests unfinished this many seconds "
+                   "after the start; they count as failed (bench default: none; sweep: 120 per setting)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -88,7 +90,7 @@ def register(subparsers) -> None:
     s.add_argument("--out-dir", default="bench/results", help="where the results go (default %(default)s)")
     add_workload_flags(s, "M")
     add_run_flags(s)
-    s.set_defaults(func=sweep_command)
+    s.set_defaults(func=sweep_command, max_duration=120.0)
 
 
 def _resolve(args: argparse.Namespace) -> dict:
@@ -129,7 +131,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
     return RunOptions(model=args.model, max_concurrency=args.max_concurrency, slo_ttft=args.slo_ttft,
                       slo_tpot=args.slo_tpot, stall_threshold=args.stall_threshold, warmup=args.warmup,
                       vocab_size=args.vocab_size, timeout_s=args.timeout, logprobs=args.logprobs,
-                      progress=not args.no_progress)
+                      max_duration_s=args.max_duration, progress=not args.no_progress)
 
 
 def bench_command(args: argparse.Namespace) -> int:
