@@ -101,6 +101,7 @@ def run_sweep(
     workload: dict,
     server_cmd: str = DEFAULT_SERVER_CMD,
     server_args: str = "",
+    command: str = "",
 ) -> dict:
     """Run the workload against one fresh server per setting; write per-setting reports, table, pictures."""
     out = Path(out_dir)
@@ -140,7 +141,8 @@ def run_sweep(
     if timelines:
         plot_timelines(timelines, out / "timeline.png")
     rows = [table_row(s, r) for s, r in runs]
-    summary = {"machine": machine, "workload": workload, "options": asdict(opts), "rows": rows}
+    summary = {"command": command, "machine": machine, "workload": workload, "options": asdict(opts),
+               "rows": rows, "recommended": recommend(rows)}
     (out / "sweep.json").write_text(json.dumps(summary, indent=1))
     (out / "sweep.md").write_text(markdown(summary))
     return summary
@@ -179,6 +181,16 @@ def table_row(s: Setting, report: dict) -> dict:
     )
 
 
+def recommend(rows: Sequence[dict]) -> str | None:
+    """The setting with the fastest long prompts among those where no request failed and none stalled."""
+    ok = [r for r in rows if "error" not in r and not r["failed"] and r["short_stalled"] == 0
+          and r["long_ttft_p50_s"] is not None]
+    if not ok:
+        return None
+    best = min(ok, key=lambda r: (r["long_ttft_p50_s"], r["short_tpot_p99_s"] or 0.0))
+    return best["setting"]
+
+
 def _f(x, scale: float = 1.0, fmt: str = ".0f") -> str:
     return "–" if x is None else format(x * scale, fmt)
 
@@ -189,6 +201,7 @@ def markdown(summary: dict) -> str:
     lines = [
         "# prefill_chunk sweep",
         "",
+        f"Command: `{summary.get('command') or 'mixserve bench sweep'}`.",
         f"Machine: {m['nproc']} cores ({m['cpu_model']}), {m['platform']}, Python {m['python']}, "
         f"torch {m['torch']}; load average at start {', '.join(f'{x:.2f}' for x in m['loadavg_at_start'])}.",
         f"Workload: {json.dumps(w)}.",
@@ -218,6 +231,12 @@ def markdown(summary: dict) -> str:
         "Bench/server: the bench's TTFT and inter-token-latency means over the server's own histogram "
         "means (mixserve:time_to_first_token_seconds, mixserve:time_per_output_token_seconds), "
         "scraped before and after the run; 1.000 is perfect agreement.",
+        "WholePrompt at a big budget prefills a long prompt in one step beside the decodes (the stall); "
+        "WholePrompt over its budget waits for a step of its own; Chunked(k) prefills at most k tokens a "
+        "step after the decodes.",
+        "",
+        "Without a failed or stalled request, the fastest long prompts (TTFT p50): "
+        f"**{summary.get('recommended') or 'no setting'}**.",
         "",
     ]
     return "\n".join(lines)

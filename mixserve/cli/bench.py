@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -166,7 +167,9 @@ def sweep_command(args: argparse.Namespace) -> int:
         print(f"mixserve bench sweep: {e}", file=sys.stderr)
         return 2
     specs, desc = build_workload(args)
+    command = "mixserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else ""
     summary = run_sweep(settings, specs, args.out_dir, run_options(args), workload=desc,
-                        server_cmd=args.server_cmd or DEFAULT_SERVER_CMD, server_args=args.server_args)
+                        server_cmd=args.server_cmd or DEFAULT_SERVER_CMD, server_args=args.server_args,
+                        command=command)
     print((Path(args.out_dir) / "sweep.md").read_text())
     return 0 if any("error" not in r for r in summary["rows"]) else 1

@@ -16,20 +16,22 @@ from mixserve.bench.plot import (
 )
 from mixserve.bench.report import RequestResult, build_report
 from mixserve.bench.run import request_records, results_from_records
-from mixserve.bench.sweep import Setting, markdown, parse_settings, table_row
+from mixserve.bench.sweep import Setting, markdown, parse_settings, recommend, table_row
 from mixserve.bench.trace import StepRecord
 from mixserve.cli import bench as bench_cli
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def synthetic_report(stall: float) -> dict:
+def synthetic_report(stall: float, with_failure: bool = True) -> dict:
     results = [RequestResult(i, "short", 40, 4, ok=True, start=0.1 * i, end=0.1 * i + 1.0,
                              token_times=[0.1 * i + t for t in (0.2, 0.3, 0.3 + stall, 0.5 + stall)],
                              prompt_tokens=40, completion_tokens=4) for i in range(6)]
     results.append(RequestResult(6, "long", 900, 2, ok=True, start=0.2, end=2.0, token_times=[1.9, 2.0],
                                  prompt_tokens=900, completion_tokens=2))
-    results.append(RequestResult(7, "short", 40, 4, ok=False, error="HTTP 503: busy", start=0.3, end=0.31))
+    if with_failure:
+        results.append(RequestResult(7, "short", 40, 4, ok=False, error="HTTP 503: busy", start=0.3,
+                                     end=0.31))
     report = build_report(results, duration=2.5, settings={"model": "tiny"})
     report["requests"] = request_records(results)
     report["server_check"] = {"ttft_ratio": 1.02, "itl_ratio": 0.97, "agree_within_10pct": True}
@@ -75,12 +77,13 @@ def test_settings_cap_the_chunk_at_the_budget_and_add_the_big_whole_prompt_case(
 
 def test_comparison_table_carries_the_perf_md_columns():
     rows = [table_row(Setting(0, 2048), synthetic_report(0.9)),
-            table_row(Setting(64, 512), synthetic_report(0.1)),
+            table_row(Setting(64, 512), synthetic_report(0.1, with_failure=False)),
             table_row(Setting(16, 512), {"settings": {}, "error": "server exited with 1\nTraceback"})]
     assert rows[0]["short_stalled"] == 6 and rows[1]["short_stalled"] == 0
     assert rows[0]["short_max_gap_s"] == pytest.approx(0.9)
     assert rows[0]["long_ttft_p50_s"] == pytest.approx(1.7)
-    summary = {"machine": {"nproc": 2, "cpu_model": "X", "platform": "Linux", "python": "3.11", "torch": "2",
+    summary = {"command": "mixserve bench sweep", "recommended": recommend(rows),
+               "machine": {"nproc": 2, "cpu_model": "X", "platform": "Linux", "python": "3.11", "torch": "2",
                            "loadavg_at_start": (1.0, 1.0, 1.0)},
                "workload": {"workload": "M"}, "options": {"stall_threshold": 0.5}, "rows": rows}
     md = markdown(summary)
@@ -88,6 +91,7 @@ def test_comparison_table_carries_the_perf_md_columns():
     assert "| WholePrompt, budget 2048 | 400/400 | 900 | 6 of 6 | 200/200 | 1.70 / 1.70 |" in md
     assert "| chunk 16, budget 512 | failed: server exited with 1 |" in md
     assert "1.020, 0.970" in md and "2 cores (X)" in md
+    assert summary["recommended"] == "chunk 64, budget 512" and "**chunk 64, budget 512**" in md
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
