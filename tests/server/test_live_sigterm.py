@@ -1,4 +1,4 @@
-"""SIGTERM: the server stops accepting, lets the in-flight stream finish, and exits 0."""
+"""SIGTERM: the server stops accepting, finishes (or, past the timeout, aborts) in-flight streams, exits 0."""
 
 from __future__ import annotations
 
@@ -9,7 +9,53 @@ import pytest
 
 from tests.server.conftest import start_server, wait_until
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # each starts a server of its own
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_model_dir, tmp_path_factory):
+    """A KV cache of 40 blocks x 16 = 640 tokens (the context is 1024); SIGTERM aborts at once."""
+    log = tmp_path_factory.mktemp("small") / "stderr.log"
+    server = start_server(tiny_model_dir, log, "--num-blocks", "40", "--shutdown-timeout", "0")
+    try:
+        yield server
+    finally:
+        if server.proc.poll() is None:
+            server.stop()
+
+
+def test_request_over_the_kv_cache_is_a_400(small_server):
+    r = httpx.post(f"{small_server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 700}, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "max_tokens" and "KV cache" in r.json()["error"]["message"]
+    url = f"{small_server.url}/v1/completions"
+    fits = httpx.post(url, json={"prompt": "hi", "max_tokens": 8}, timeout=60)
+    assert fits.status_code == 200
+
+
+def test_sigterm_past_the_timeout_aborts_the_stream_and_exits_0(small_server):
+    max_tokens = 600
+    tokens: list[str] = []
+    first_token = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "keep going", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        try:
+            with httpx.stream("POST", f"{small_server.url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        tokens.append(line)
+                        first_token.set()
+        except httpx.HTTPError:
+            pass  # the server closed the connection mid-stream: what this test expects
+
+    client = threading.Thread(target=stream)
+    client.start()
+    assert first_token.wait(60), "no token streamed"
+    rc = small_server.stop(timeout=60)
+    client.join(60)
+    assert rc == 0, small_server.log.read_text()
+    assert len(tokens) < max_tokens  # cut short, not run to the end
 
 
 def test_sigterm_finishes_the_in_flight_stream_then_exits_0(tiny_model_dir, tmp_path):
