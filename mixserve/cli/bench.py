@@ -62,7 +62,7 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--logprobs", type=int, help="request N logprobs per token: servers that hold back "
                    "incomplete text then still stream one chunk per token (exact inter-token gaps)")
     g.add_argument("--max-duration", type=float, help="cancel requests unfinished this many seconds "
-                   "after the start; they count as failed (bench default: none; sweep: 120 per setting)")
+                   "after the start; they count as failed (bench default: none; sweep: 90 per setting)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -91,7 +91,7 @@ def register(subparsers) -> None:
     s.add_argument("--out-dir", default="bench/results", help="where the results go (default %(default)s)")
     add_workload_flags(s, "M")
     add_run_flags(s)
-    s.set_defaults(func=sweep_command, max_duration=120.0)
+    s.set_defaults(func=sweep_command, max_duration=90.0)
 
 
 def _resolve(args: argparse.Namespace) -> dict:
