@@ -115,3 +115,16 @@ def test_the_run_deadline_cancels_unfinished_requests_and_reports_them():
                                    transport=httpx.MockTransport(handler), progress=False)).results
     assert results[0].ok
     assert [r.error.split(":")[0] for r in results[1:]] == ["deadline", "deadline"]
+
+
+def test_the_bench_never_imports_the_engine():
+    # it must work against any OpenAI-compatible server: HTTP only, no torch, no engine
+    import subprocess
+    import sys
+
+    code = ("import sys, mixserve.cli\nmixserve.cli.build_parser()\n"
+            "import mixserve.bench.sweep, mixserve.bench.plot, mixserve.bench.run\n"
+            "layers = ('mixserve.engine', 'mixserve.model', 'mixserve.runner', 'mixserve.server')\n"
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith(layers)]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
