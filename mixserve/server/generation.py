@@ -38,7 +38,9 @@ async def stream_events(engine: AsyncEngine, fmt: Formatter, ids: list[int], par
                 usage.completion_tokens += len(update.new_token_ids)
                 lp = token_logprobs(update) if want_logprobs else None
                 finish = update.finish_reason if update.finished else None
-                if update.new_text or finish is not None or lp:
+                # one chunk per step that made a token, even if its text is held back (an unfinished UTF-8
+                # character, a possible stop string): clients time tokens by chunks
+                if update.new_token_ids or update.new_text or finish is not None:
                     yield sse(fmt.delta_chunk(update.new_text, finish, lp))
     except (EngineDeadError, RequestFailedError) as exc:
         status, message = _failure(exc)

@@ -115,7 +115,7 @@ class Formatter:
                     logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
         lp = self.logprobs(logprobs) if logprobs is not None else None
         if self.chat:
-            delta = {"content": text} if text or finish_reason is None else {}
+            delta = {} if finish_reason is not None and not text else {"content": text}
             choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}

@@ -59,6 +59,7 @@ class FakeEngine:
         self.max_num_seqs = max_num_seqs
         self.gate: threading.Event | None = None
         self.crash = False
+        self.hold_back_text = False  # as a detokenizer holding an unfinished character: text only at the end
         self.steps = 0
         self.last_step_tokens = 0
         self._lock = threading.Lock()  # the tests read the tables from their own thread
@@ -113,8 +114,10 @@ class FakeEngine:
                     lp = [TokenLogprobs(token, -0.5, top)]
                 if done:
                     del self.running[rid]
-                updates.append(RequestUpdate(rid, [token], self.tokenizer.decode([token]), done,
-                                             "length" if done else None, lp, None))
+                text = self.tokenizer.decode([token])
+                if self.hold_back_text:
+                    text = self.tokenizer.decode(req.generated) if done else ""
+                updates.append(RequestUpdate(rid, [token], text, done, "length" if done else None, lp, None))
         return updates
 
     def stats(self) -> SchedulerStats:

@@ -99,6 +99,13 @@ def test_stream_without_include_usage_has_no_usage_chunk(client: TestClient):
     assert all("usage" not in c for c in chunks)
 
 
+def test_stream_sends_a_chunk_per_token_even_while_text_is_held_back(fake: FakeEngine, client: TestClient):
+    fake.hold_back_text = True
+    r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 4, "stream": True})
+    chunks = [json.loads(p) for p in events(r.text)[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks] == ["", "", "", "bcde"]
+
+
 @pytest.mark.parametrize(("path", "body", "status", "param"), [
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 1000}, 400, "max_tokens"),  # over the fake's 128
