@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from mixserve.server.errors import APIError
@@ -11,50 +10,21 @@ from mixserve.server.protocol import ChatCompletionRequest, CompletionRequest, S
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
 
 
-@dataclass
-class Prepared:
-    """A request ready for the engine."""
-
-    prompt_token_ids: list[int]
-    params: Any
-    num_logprobs: int | None
-
-
 def context_limit(llm: Any) -> int:
     """The most tokens (prompt + output) one request may hold: the model's context and the KV cache."""
-    limits = []
-    for owner, name in ((llm, "max_model_len"), (getattr(llm, "runner", None), "max_model_len")):
-        value = getattr(owner, name, None)
-        if isinstance(value, int) and value > 0:
-            limits.append(value)
-            break
-    runner = getattr(llm, "runner", None)
-    blocks, block_size = getattr(runner, "num_blocks", None), getattr(runner, "block_size", None)
-    if isinstance(blocks, int) and isinstance(block_size, int) and blocks > 0:
-        limits.append(blocks * block_size)
-    return min(limits) if limits else 2**31
-
-
-def vocab_size(llm: Any) -> int | None:
-    config = getattr(getattr(llm, "runner", None), "config", None)
-    size = getattr(config, "vocab_size", None)
-    return size if isinstance(size, int) else None
+    runner = llm.runner
+    context = getattr(llm, "max_model_len", None) or runner.max_model_len  # the engine's may be shorter
+    return min(context, runner.num_blocks * runner.block_size)
 
 
 def completion_prompt(llm: Any, req: CompletionRequest) -> list[int]:
-    """Text is tokenized (with the BOS the tokenizer adds); token ids must be inside the vocabulary."""
+    """Text is tokenized (with the BOS the tokenizer adds); token ids pass as they are (validate checks)."""
     prompt: Any = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise APIError(400, "Only one prompt per request is supported.", param="prompt")
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = list(llm.tokenizer.encode(prompt))
-    else:
-        ids = list(prompt)
-        size = vocab_size(llm)
-        if size is not None and any(t >= size for t in ids):
-            raise APIError(400, f"Token ids must be below the vocabulary size {size}.", param="prompt")
+    ids = list(llm.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise APIError(400, "The prompt is empty.", param="prompt")
     return ids
@@ -84,8 +54,6 @@ def sampling_params(llm: Any, req: SamplingFields, prompt_len: int, *, max_token
         room = context_limit(llm) - prompt_len
         max_tokens = default_max_tokens if default_max_tokens is not None else max(room, 1)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if any(s == "" for s in stop):
-        raise APIError(400, "Stop strings must not be empty.", param="stop")
     fields: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos}
     if req.temperature is not None:
         fields["temperature"] = req.temperature

@@ -69,6 +69,8 @@ class FakeEngine:
         self.aborted: list[str] = []
 
     def validate(self, prompt_token_ids: list[int], params: Any) -> None:
+        if any(not 0 <= t < self.runner.config.vocab_size for t in prompt_token_ids):
+            raise FakeRequestError("prompt: a token id is outside the vocabulary", "prompt")
         if len(prompt_token_ids) + params.max_tokens > self.runner.max_model_len:
             raise FakeRequestError("prompt + max_tokens is over the context", "max_tokens")
 
