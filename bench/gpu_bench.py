@@ -471,6 +471,7 @@ def print_table() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU (checks the script)")
+    ap.add_argument("--no-hf", action="store_true", help="skip HF generate_batch (step 4's reference)")
     ap.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_BENCH_BUDGET_S", 285)))
     args = ap.parse_args()
     bench = Bench(args.tiny, args.budget_s)
@@ -488,8 +489,9 @@ def main() -> None:
         if bench.matmul_tflops:
             guarded("3. prefill", bench, 30, prefill)
     guarded("4. e2e ours", bench, 40, end_to_end_ours)
-    guarded("4. e2e HF defaults", bench, 35, lambda b: end_to_end_hf(b, "defaults"))
-    guarded("4. e2e HF cuda graphs", bench, 35, lambda b: end_to_end_hf(b, "cuda_graph"))
+    if not args.no_hf:
+        guarded("4. e2e HF defaults", bench, 35, lambda b: end_to_end_hf(b, "defaults"))
+        guarded("4. e2e HF cuda graphs", bench, 35, lambda b: end_to_end_hf(b, "cuda_graph"))
     if bench.runner is not None and bench.copy_gbs and not bench.tiny:
         guarded("2b. decode, compiled model (optional)", bench, 100, decode_compiled)
     summary(bench)
