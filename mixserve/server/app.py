@@ -88,6 +88,7 @@ def create_app(engine: Any, server_cfg: Any = None, model_name: str | None = Non
                   description="An OpenAI-compatible server over a chunked-prefill engine.")
     app.state.mixserve = state
     install_error_handlers(app)
+
     async def require_key(credentials: HTTPAuthorizationCredentials | None = _BEARER) -> None:
         if not state.api_key:
             return
@@ -101,9 +102,11 @@ def create_app(engine: Any, server_cfg: Any = None, model_name: str | None = Non
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
-        """200 when the step loop is running, 503 once it has died."""
+        """200 when ready; 503 once the step loop has died, or while the server shuts down."""
         if not engine.healthy:
-            return error_response(503, "The engine step loop is not running.")
+            return error_response(503, "The engine step loop died.")
+        if not engine.accepting:
+            return error_response(503, "The server is shutting down.")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
