@@ -109,6 +109,9 @@ class ModelRunner:
         """(len(batch.seqs), vocab) float32 logits: row i is the last token of seqs[i].
 
         Writes every token's K/V into the slots its block table names; one model forward for all seqs."""
+        top = max((max(s.block_table, default=0) for s in batch.seqs), default=0)
+        if top >= self.num_blocks:
+            raise ValueError(f"block id {top} out of range: the KV cache has {self.num_blocks} blocks")
         with torch.inference_mode():
             meta = self.attention.prepare(batch, self.block_size, self.device)
             input_ids = packed_tokens(batch, self.device)
