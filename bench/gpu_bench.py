@@ -269,19 +269,25 @@ def weight_bytes(bench: Bench) -> int:
     return sum(p.numel() * p.element_size() for p in bench.runner.model.parameters())
 
 
-def decode(bench: Bench) -> None:
+def decode_batch(size: int, ctx: int):
+    """`size` decodes at position ctx (ctx tokens of context already cached), disjoint block tables."""
     from mixserve.core import ForwardBatch, ForwardSeq
+
+    per_seq = -(-(ctx + 1) // BLOCK_SIZE)
+    return ForwardBatch([ForwardSeq(f"d{i}", [5 + i], ctx, list(range(i * per_seq, (i + 1) * per_seq)))
+                         for i in range(size)])
+
+
+def decode(bench: Bench) -> None:
 
     runner = bench.runner
     ctx = 512 if not bench.tiny else 40
-    per_seq = -(-(ctx + 1) // BLOCK_SIZE)
     kv_per_token = runner.kv_bytes_per_token
     wbytes = weight_bytes(bench)
     batches = (1, 16, 64, 256) if not bench.tiny else (1, 4)
     graphs = getattr(runner, "graphs", None)
     for b in batches:
-        batch = ForwardBatch([ForwardSeq(f"d{i}", [5 + i], ctx, list(range(i * per_seq, (i + 1) * per_seq)))
-                              for i in range(b)])
+        batch = decode_batch(b, ctx)
         modes = [("graph", graphs)] if graphs is not None else []
         if b == 64 or graphs is None:
             modes.append(("eager", None))
@@ -304,35 +310,42 @@ def decode(bench: Bench) -> None:
 
 
 def decode_compiled(bench: Bench) -> None:
-    """Optional, last: the same decode graphs around a torch.compile'd model (fewer, fused kernels)."""
-    from mixserve.core import ForwardBatch, ForwardSeq
+    """Optional, last: decode graphs with the compiled fused attention (K/V read once from the paged
+    cache), then also around a torch.compile'd model (fused pointwise kernels)."""
     from mixserve.runner.cuda_graph import DecodeGraphs, decode_model_fn
 
     runner = bench.runner
     graphs = getattr(runner, "graphs", None)
     if graphs is None:
         raise RuntimeError("the runner has no decode graphs")
-    fn = torch.compile(decode_model_fn(runner.model, runner.kv_cache.layers), dynamic=True)
-    compiled = DecodeGraphs(fn, block_size=BLOCK_SIZE, max_num_seqs=graphs.ladder[-1],
-                            scratch_block=graphs.scratch_block, device=bench.device)
     ctx = 512
-    per_seq = -(-(ctx + 1) // BLOCK_SIZE)
     wbytes, kv_per_token = weight_bytes(bench), runner.kv_bytes_per_token
-    for b in (64, 256):
-        batch = ForwardBatch([ForwardSeq(f"d{i}", [5 + i], ctx, list(range(i * per_seq, (i + 1) * per_seq)))
-                              for i in range(b)])
-        t0 = time.monotonic()
-        for _ in range(3):
-            compiled.run(batch).argmax(-1).tolist()
-        warm = time.monotonic() - t0
-        bench.sync()
-        t0 = time.perf_counter()
-        for _ in range(30):
-            compiled.run(batch).argmax(-1).tolist()
-        step = (time.perf_counter() - t0) / 30
-        floor = (wbytes + b * (ctx + 1) * kv_per_token) / (bench.copy_gbs * 1e9)
-        row(f"decode b{b} ctx{ctx} (graph + compiled model)", f"{step * 1e3:.3f} ms/step",
-            f"floor {floor * 1e3:.3f} ms", f"{step / floor:.2f}x floor; compile + capture {warm:.0f} s")
+    base = decode_model_fn(runner.model, runner.kv_cache.layers)
+    variants = [("graph + fused attention", base), ("graph + fused attention + compiled model",
+                                                   torch.compile(base, dynamic=True))]
+    for name, fn in variants:
+        if bench.left() < 45:
+            row(f"decode ({name})", "skipped", "", "time guard")
+            continue
+        variant = DecodeGraphs(fn, block_size=BLOCK_SIZE, max_num_seqs=graphs.ladder[-1],
+                               scratch_block=graphs.scratch_block, device=bench.device, fused_attention=True)
+        for b in (64, 256):
+            batch = decode_batch(b, ctx)
+            t0 = time.monotonic()
+            want = runner.forward(batch)
+            got = variant.run(batch)
+            err = float((got - want).norm() / want.norm())
+            for _ in range(3):
+                variant.run(batch).argmax(-1).tolist()
+            warm = time.monotonic() - t0
+            bench.sync()
+            t0 = time.perf_counter()
+            for _ in range(30):
+                variant.run(batch).argmax(-1).tolist()
+            step = (time.perf_counter() - t0) / 30
+            floor = (wbytes + b * (ctx + 1) * kv_per_token) / (bench.copy_gbs * 1e9)
+            row(f"decode b{b} ctx{ctx} ({name})", f"{step * 1e3:.3f} ms/step", f"floor {floor * 1e3:.3f} ms",
+                f"{step / floor:.2f}x floor; rel err vs default {err:.4f}; compile + capture {warm:.0f} s")
 
 
 # ---- 3. prefill ------------------------------------------------------------------------------------
@@ -493,7 +506,7 @@ def main() -> None:
         guarded("4. e2e HF defaults", bench, 35, lambda b: end_to_end_hf(b, "defaults"))
         guarded("4. e2e HF cuda graphs", bench, 35, lambda b: end_to_end_hf(b, "cuda_graph"))
     if bench.runner is not None and bench.copy_gbs and not bench.tiny:
-        guarded("2b. decode, compiled model (optional)", bench, 100, decode_compiled)
+        guarded("2b. decode, fused/compiled (optional)", bench, 60, decode_compiled)
     summary(bench)
     print_table()
 

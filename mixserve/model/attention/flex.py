@@ -67,6 +67,7 @@ class DecodePlan:
 
     ctx: int  # context capacity C (multiple of block_size)
     block_size: int
+    fused: bool = False  # decode_attention_fused, compiled on CUDA (opt-in, measured by bench/gpu_bench.py)
 
 
 def host_inputs(batch: ForwardBatch, block_size: int, width: int | None = None) -> dict[str, list[int]]:
@@ -246,6 +247,30 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
+def decode_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, ctx: int) -> torch.Tensor:
+    """decode_attention written as products and sums over cache entries read through the block table.
+
+    Under torch.compile each sum becomes one reduction kernel that loads K (then V) straight from the
+    paged cache: K/V are read once, no gathered copy. Run eagerly it materialises (S, Hkv, G, C, D).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    pos = torch.arange(ctx, device=q.device)
+    blocks = block_tables[:, pos // block_size]  # (S, C)
+    offsets = (pos % block_size)[None, :].expand(num_seqs, ctx)
+    k = k_cache[blocks, offsets]  # (S, C, Hkv, D): an indexing the compiler fuses into its consumer
+    v = v_cache[blocks, offsets]
+    qg = q.view(num_seqs, 1, num_kv_heads, group, head_dim).float()
+    scores = (qg * k[:, :, :, None, :].float()).sum(-1) * (1.0 / math.sqrt(head_dim))  # (S, C, Hkv, G)
+    visible = pos[None, :] < seq_lens[:, None]
+    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=1)
+    out = (probs[..., None] * v[:, :, :, None, :].float()).sum(1)  # (S, Hkv, G, D)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
 def write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 slot_mapping: torch.Tensor) -> None:
     """Write this step's K/V rows at their flat slots (cache viewed as (slots, Hkv, D))."""
@@ -261,7 +286,7 @@ class FlexAttentionBackend(AttentionBackend):
 
     def __init__(self, compile: bool | None = None) -> None:
         self.compile = compile  # None: compile on CUDA only
-        self._flex: dict[bool, Any] = {}
+        self._flex: dict[Any, Any] = {}
         self.fallback_reason: str | None = None  # set if flex failed here: packed steps use torch_ref
 
     def _flex_fn(self, device: torch.device):
@@ -272,6 +297,14 @@ class FlexAttentionBackend(AttentionBackend):
         if compiled not in self._flex:
             self._flex[compiled] = torch.compile(flex_attention) if compiled else flex_attention
         return self._flex[compiled]
+
+    def _fused_fn(self, device: torch.device):
+        # dynamic=True: one compile serves every (batch, context) shape of the decode graphs.
+        key = ("fused", device.type == "cuda")
+        if key not in self._flex:
+            self._flex[key] = (torch.compile(decode_attention_fused, dynamic=True) if device.type == "cuda"
+                               else decode_attention_fused)
+        return self._flex[key]
 
     def prepare(self, batch: ForwardBatch, block_size: int, device: torch.device) -> AttentionMetadata:
         """Metadata for one forward: the dense decode plan for decode-only batches, else the flex plan."""
@@ -290,7 +323,8 @@ class FlexAttentionBackend(AttentionBackend):
         write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         decode = meta.extra.get("decode")
         if decode is not None:
-            return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, decode.ctx)
+            attend = self._fused_fn(q.device) if decode.fused else decode_attention
+            return attend(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, decode.ctx)
         if self.fallback_reason is None:
             try:
                 return self._flex_forward(q, k_cache, v_cache, meta.extra["flex"])
