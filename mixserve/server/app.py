@@ -55,7 +55,7 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            message = f"The model '{model}' does not exist; this server serves '{self.model_name}'."
+            message = f"The model {model!r} does not exist; this server serves {self.model_name!r}."
             raise APIError(404, message, param="model", code="model_not_found")
 
     def admit(self) -> None:

@@ -24,7 +24,10 @@ def completion_prompt(llm: Any, req: CompletionRequest) -> list[int]:
         if len(prompt) != 1:
             raise APIError(400, "Only one prompt per request is supported.", param="prompt")
         prompt = prompt[0]
-    ids = list(llm.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+    try:
+        ids = list(llm.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+    except (TypeError, ValueError) as exc:  # e.g. a lone UTF-16 surrogate, which no tokenizer takes
+        raise APIError(400, f"The prompt cannot be tokenized: {exc}", param="prompt") from exc
     if not ids:
         raise APIError(400, "The prompt is empty.", param="prompt")
     return ids

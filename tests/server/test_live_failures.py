@@ -29,6 +29,10 @@ BAD_INPUTS = [
     (COMPLETIONS, {"prompt": [1, 10**9]}, 400, "prompt"),  # outside the vocabulary
     (COMPLETIONS, {"prompt": [-1]}, 400, "prompt"),
     (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt"),
+    # lone UTF-16 surrogates (valid JSON escapes, invalid text): no tokenizer takes them
+    (COMPLETIONS, rb'{"prompt": "\ud800"}', 400, "prompt"),
+    (COMPLETIONS, rb'{"prompt": "hi", "model": "\ud800"}', 404, "model"),
+    (CHAT, rb'{"messages": [{"role": "user", "content": "\udfff"}]}', 400, "messages"),
     (COMPLETIONS, {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     (COMPLETIONS, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     (COMPLETIONS, {"prompt": "hi", "top_k": -7}, 400, "top_k"),
