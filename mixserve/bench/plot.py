@@ -62,7 +62,8 @@ def plot_run(report: dict, path: str | Path, title: str = "") -> Path:
                 title="tokens per request over time (line: sent to done)")
     for ax in (ax_ttft, ax_tpot, ax_time):
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right" if ax is not ax_time else "upper left", fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a run where nothing completed has no curves
+            ax.legend(loc="lower right" if ax is not ax_time else "upper left", fontsize=8)
     fig.suptitle(title or _run_title(report))
     return _save(fig, path)
 
@@ -82,7 +83,8 @@ def plot_sweep_ttft(runs: Sequence[tuple[str, dict]], path: str | Path) -> Path:
         ax.set(xscale="log", xlabel="time to first token (ms, log scale)", ylabel="fraction of requests",
                title=f"TTFT CDF, {kind} requests")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8, loc="lower right")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="lower right")
     return _save(fig, path)
 
 
