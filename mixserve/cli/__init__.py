@@ -1,4 +1,4 @@
-"""`mixserve serve | generate | bench`: each subcommand lives in its own module with `register(subparsers)`."""
+"""`mixserve serve | generate | bench`: one module per subcommand, each with `register(subparsers)`."""
 
 from __future__ import annotations
 
