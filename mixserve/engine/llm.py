@@ -82,7 +82,10 @@ class LLM:
         start, num_tokens = time.monotonic(), 0
         try:
             while self.engine.has_unfinished():
-                for update in self.engine.step():
+                updates = self.engine.step()
+                if not updates and self.engine.stats().step_tokens == 0:
+                    raise RuntimeError("the scheduler scheduled nothing while requests are unfinished")
+                for update in updates:
                     num_tokens += len(update.new_token_ids)
                     if update.output is not None and update.request_id in order:
                         outputs[order[update.request_id]] = update.output
