@@ -56,6 +56,8 @@ class ModelRunner:
         attention: AttentionBackend,
         model_name: str,
         path: Path | None = None,
+        cuda_graphs: bool = True,
+        max_num_seqs: int = 256,
     ):
         self.model = model
         self.config: ModelConfig = model.config
@@ -67,7 +69,16 @@ class ModelRunner:
         self.model_name = model_name
         self.path = path
         self.attention = attention
-        self.kv_cache = KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
+        on_cuda = self.device.type == "cuda"
+        # On CUDA one more block than the scheduler knows: the scratch block decode-graph padding rows write.
+        self.kv_cache = KVCache(self.config, num_blocks + int(on_cuda), block_size, self.dtype, self.device)
+        self.graphs = None  # DecodeGraphs (runner/cuda_graph.py): decode-only steps replay CUDA graphs
+        if cuda_graphs and on_cuda:
+            from mixserve.runner.cuda_graph import DecodeGraphs, decode_model_fn
+
+            self.graphs = DecodeGraphs(decode_model_fn(self.model, self.kv_cache.layers),
+                                       block_size=block_size, max_num_seqs=max_num_seqs,
+                                       scratch_block=num_blocks, device=self.device)
 
     @classmethod
     def from_pretrained(
@@ -81,11 +92,14 @@ class ModelRunner:
         attention_backend: str = "auto",
         kv_cache_gib: float = 2.0,
         gpu_memory_utilization: float = 0.9,
+        cuda_graphs: bool = True,
+        max_num_seqs: int = 256,
     ) -> ModelRunner:
         """Load a GGUF file or HF folder (None: the default model) and allocate `num_blocks` KV blocks.
 
         num_blocks=0 sizes the cache from memory: `kv_cache_gib` on the CPU, `gpu_memory_utilization` of
-        the GPU."""
+        the GPU. On CUDA, decode-only steps of up to `max_num_seqs` sequences replay CUDA graphs
+        (`cuda_graphs=False` runs every step eagerly)."""
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         if num_blocks < 0:
@@ -98,7 +112,8 @@ class ModelRunner:
             num_blocks = num_blocks_for_memory(loaded.config, block_size, dt, dev, kv_cache_gib,
                                                gpu_memory_utilization)
         return cls(loaded.model, loaded.tokenizer, num_blocks=num_blocks, block_size=block_size,
-                   attention=attention, model_name=loaded.name, path=loaded.path)
+                   attention=attention, model_name=loaded.name, path=loaded.path, cuda_graphs=cuda_graphs,
+                   max_num_seqs=max_num_seqs)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -108,11 +123,19 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """(len(batch.seqs), vocab) float32 logits: row i is the last token of seqs[i].
 
-        Writes every token's K/V into the slots its block table names; one model forward for all seqs."""
+        Writes every token's K/V into the slots its block table names; one model forward for all seqs.
+        A decode-only step may replay a CUDA graph: its logits stay valid until the next forward."""
         top = max((max(s.block_table, default=0) for s in batch.seqs), default=0)
         if top >= self.num_blocks:
             raise ValueError(f"block id {top} out of range: the KV cache has {self.num_blocks} blocks")
+        if self.graphs is not None and self.graphs.key(batch) is not None:
+            return self.graphs.run(batch)
         with torch.inference_mode():
             meta = self.attention.prepare(batch, self.block_size, self.device)
-            input_ids = packed_tokens(batch, self.device)
+            if self.device.type == "cuda":
+                # Pinned and non-blocking: the host queues the copy instead of waiting for the device.
+                input_ids = packed_tokens(batch, torch.device("cpu")).pin_memory().to(self.device,
+                                                                                      non_blocking=True)
+            else:
+                input_ids = packed_tokens(batch, self.device)
             return self.model(input_ids, meta, self.kv_cache.layers, self.attention)
