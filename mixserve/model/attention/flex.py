@@ -24,6 +24,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+# At import: a torch without FlexAttention raises ImportError here, so get_backend("auto") picks torch_ref.
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
 from mixserve.core import ForwardBatch
 from mixserve.model.attention.base import AttentionBackend, AttentionMetadata
 
@@ -58,7 +61,7 @@ class FlexPlan:
     q_pad: int  # padded query length
     kv_pad: int  # padded packed KV length
     kv_slots: torch.Tensor  # (kv_pad,) int64: flat cache slot of each packed K/V entry
-    block_mask: Any  # torch.nn.attention.flex_attention.BlockMask
+    block_mask: BlockMask
 
 
 @dataclass
@@ -134,8 +137,6 @@ def build_device_metadata(batch: ForwardBatch, block_size: int, device: torch.de
 
 
 def _from_kv_blocks_kwargs() -> dict[str, Any]:
-    from torch.nn.attention.flex_attention import BlockMask
-
     # compute_q_blocks (transposed indices for the backward pass) is not needed for inference.
     params = inspect.signature(BlockMask.from_kv_blocks).parameters
     return {"compute_q_blocks": False} if "compute_q_blocks" in params else {}
@@ -148,8 +149,6 @@ def build_flex_plan(meta: AttentionMetadata, block_size: int) -> FlexPlan:
     only if their ranges of sequence ids overlap: that decides the sparse blocks without materialising
     the full Q x KV mask. Padded query rows see KV entry 0 (never an all-masked row).
     """
-    from torch.nn.attention.flex_attention import BlockMask
-
     device = meta.positions.device
     num_seqs = len(meta.seq_lens_cpu)
     num_tokens = sum(meta.query_lens_cpu)
@@ -290,8 +289,6 @@ class FlexAttentionBackend(AttentionBackend):
         self.fallback_reason: str | None = None  # set if flex failed here: packed steps use torch_ref
 
     def _flex_fn(self, device: torch.device):
-        from torch.nn.attention.flex_attention import flex_attention
-
         # Compiled on CUDA (one fused kernel); eager elsewhere (materialises scores: small shapes only).
         compiled = device.type == "cuda" if self.compile is None else self.compile
         if compiled not in self._flex:
