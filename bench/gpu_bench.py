@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -49,6 +50,7 @@ HF_CB_CONFIGS = {"defaults": {}, "cuda_graph": {"use_cuda_graph": True}}
 
 BLOCK_SIZE = 16
 ROWS: list[tuple[str, str, str, str]] = []  # (what, measured, reference, note)
+ROWS_FILE: Path | None = None  # --rows-file: each row appended as it is measured (survives a kill)
 
 
 class Bench:
@@ -78,6 +80,9 @@ class Bench:
 def row(what: str, measured: str, reference: str = "", note: str = "") -> None:
     ROWS.append((what, measured, reference, note))
     print(f"  {what}: {measured}  {reference}  {note}", flush=True)
+    if ROWS_FILE is not None:
+        with ROWS_FILE.open("a", encoding="utf-8") as f:
+            f.write(" | ".join((what, measured, reference, note)) + "\n")
 
 
 def guarded(name: str, bench: Bench, min_left_s: float, fn) -> None:
@@ -91,7 +96,7 @@ def guarded(name: str, bench: Bench, min_left_s: float, fn) -> None:
         fn(bench)
     except Exception as e:  # noqa: BLE001 - one failing section must not lose the others
         traceback.print_exc()
-        row(name, "ERROR", "", f"{type(e).__name__}: {' '.join(str(e).split())[:160]}")
+        row(name, "ERROR", "", f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
     print(f"   ({time.monotonic() - t0:.1f} s)", flush=True)
 
 
@@ -393,10 +398,9 @@ def e2e_prompts(bench: Bench) -> list[list[int]]:
 
 
 def end_to_end_ours(bench: Bench) -> None:
-    from mixserve.engine.sampling_params import SamplingParams
-
-    shim_jsonschema()
+    shim_jsonschema()  # before any mixserve.engine import: the package imports mixserve.config
     from mixserve.engine.llm import LLM
+    from mixserve.engine.sampling_params import SamplingParams
 
     n, out_len = bench.e2e["num_requests"], bench.e2e["output_len"]
     per_req = -(-(bench.e2e["prompt_len"] + out_len) // BLOCK_SIZE)
@@ -486,7 +490,12 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU (checks the script)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate_batch (step 4's reference)")
     ap.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_BENCH_BUDGET_S", 285)))
+    ap.add_argument("--rows-file", type=Path, help="append each result row to this file as it is measured")
     args = ap.parse_args()
+    global ROWS_FILE
+    ROWS_FILE = args.rows_file
+    # A kill (timeout) still prints what was measured.
+    signal.signal(signal.SIGTERM, lambda *_: (print_table(), sys.exit(124)))
     bench = Bench(args.tiny, args.budget_s)
     torch.set_grad_enabled(False)
     guarded("setup: model", bench, 0, setup_model)
