@@ -27,8 +27,10 @@ def test_torch_backend_matches_definition_on_a_mixed_batch() -> None:
     backend = get_backend("torch", "cpu")
     k_cache = torch.zeros(NBLOCKS, BS, HKV, D)
     v_cache = torch.zeros(NBLOCKS, BS, HKV, D)
-    # (start, new tokens, block table): a decode, a middle chunk, a first chunk, a chunk ending mid-block
-    specs = [(9, 1, [7, 3, 30]), (5, 6, [1, 20, 2]), (0, 7, [11, 4]), (2, 3, [25, 26])]
+    # (start, new tokens, block table): decodes of different lengths (batched together), a middle chunk,
+    # a first chunk, a chunk ending mid-block, a one-token prompt
+    specs = [(9, 1, [7, 3, 30]), (5, 6, [1, 20, 2]), (0, 7, [11, 4]), (2, 3, [25, 26]), (3, 1, [8, 9]),
+             (0, 1, [12])]
     full_k, full_v, seqs = [], [], []
     for i, (start, n, table) in enumerate(specs):
         kk = torch.randn(start + n, HKV, D, generator=g)
@@ -39,7 +41,7 @@ def test_torch_backend_matches_definition_on_a_mixed_batch() -> None:
         full_k.append(kk)
         full_v.append(vv)
         seqs.append(ForwardSeq(str(i), [0] * n, start, table))
-    meta = build_metadata(ForwardBatch(seqs), BS, torch.device("cpu"))
+    meta = backend.prepare(ForwardBatch(seqs), BS, torch.device("cpu"))
     q = torch.randn(meta.positions.shape[0], HQ, D, generator=g)
     k_new = torch.cat([kk[s:] for kk, (s, _, _) in zip(full_k, specs, strict=True)])
     v_new = torch.cat([vv[s:] for vv, (s, _, _) in zip(full_v, specs, strict=True)])
