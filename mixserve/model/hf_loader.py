@@ -25,6 +25,17 @@ def read_config(folder: Path) -> ModelConfig:
     return ModelConfig.from_hf(raw, str(path))
 
 
+def generation_eos_ids(folder: Path) -> tuple[int, ...]:
+    """End-of-sequence ids from generation_config.json (Llama 3 lists several), or () if none."""
+    try:
+        eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return ()
+    if isinstance(eos, int):
+        return (eos,)
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else ()
+
+
 def weight_files(folder: Path) -> list[Path]:
     """The safetensors files holding the weights: the index's shards, or every *.safetensors."""
     index = folder / "model.safetensors.index.json"

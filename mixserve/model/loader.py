@@ -88,5 +88,10 @@ def load_model(
     module = LlamaModel(cfg, dtype=dtype, device=device)
     module.load_hf_weights(sd, str(path), inv_freq=inv_freq)
     del sd
-    tokenizer = load_tokenizer(path, cfg.eos_token_ids)
+    eos = cfg.eos_token_ids
+    if path.is_dir():
+        from mixserve.model.hf_loader import generation_eos_ids
+
+        eos = eos + generation_eos_ids(path)
+    tokenizer = load_tokenizer(path, eos)
     return LoadedModel(path=path, name=model_name(path), config=cfg, model=module.eval(), tokenizer=tokenizer)

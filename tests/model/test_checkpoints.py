@@ -75,3 +75,13 @@ def test_model_names() -> None:
     assert model_name(Path("/x/SmolLM2-135M-Instruct.Q4_1.gguf")) == "SmolLM2-135M-Instruct"
     assert model_name(Path("/x/Llama-3.2-1B-Instruct-Q8_0.gguf")) == "Llama-3.2-1B-Instruct"
     assert model_name(Path("/x/tiny.gguf")) == "tiny"
+
+
+def test_generation_config_eos_ids_count_as_eos(tiny_model_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    tok = ModelRunner.from_pretrained(str(folder), num_blocks=1).tokenizer
+    assert tok.eos_token_ids == {0, 2}
