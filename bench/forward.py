@@ -1,0 +1,78 @@
+"""tau(tokens): the time of one forward of T tokens on the default model, ours next to HF transformers'.
+
+Not a test. Run: .venv/bin/python bench/forward.py [--max-tokens 2048] [--repeats 3] [--threads 0]
+Each T is one prompt of T tokens prefilled whole from position 0 (ours: one ForwardBatch; HF: one
+forward with logits_to_keep=1, so both compute the LM head on the last token only). Median of repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from mixserve.core.batch import ForwardBatch, ForwardSeq
+from mixserve.model.loader import default_model_path
+from mixserve.runner.model_runner import ModelRunner
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up: first-touch allocations, oneDNN primitive creation
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--no-hf", action="store_true", help="time ours only")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    block_size = 16
+    num_blocks = args.max_tokens // block_size + 1
+    runner = ModelRunner.from_pretrained(None, num_blocks=num_blocks, block_size=block_size, device="cpu")
+    hf = None
+    if not args.no_hf:
+        from transformers import AutoModelForCausalLM
+
+        path = default_model_path()
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        hf.eval()
+
+    vocab = runner.config.vocab_size
+    table = list(range(num_blocks))
+    print(f"model {runner.model_name}  dtype {runner.dtype}  threads {torch.get_num_threads()}  "
+          f"KV bytes per token {runner.kv_bytes_per_token} ({runner.kv_bytes_per_token / 1024:.1f} KiB)")
+    print(f"{'T':>6} {'ours ms':>10} {'HF ms':>10} {'HF/ours':>8} {'ours tok/s':>11}")
+    t = 1
+    while t <= args.max_tokens:
+        ids = torch.randint(0, vocab, (t,), generator=torch.Generator().manual_seed(t)).tolist()
+        batch = ForwardBatch([ForwardSeq("bench", ids, 0, table)])
+        reps = args.repeats if t < 512 else max(1, args.repeats - 1)
+        ours = median_ms(lambda batch=batch: runner.forward(batch), reps)
+        theirs = float("nan")
+        if hf is not None:
+            x = torch.tensor([ids])
+
+            def hf_forward(x=x):
+                with torch.inference_mode():
+                    hf(x, use_cache=False, logits_to_keep=1)
+
+            theirs = median_ms(hf_forward, reps)
+        ratio = theirs / ours
+        print(f"{t:>6} {ours:>10.1f} {theirs:>10.1f} {ratio:>8.2f} {1000 * t / ours:>11.0f}", flush=True)
+        t *= 2
+
+
+if __name__ == "__main__":
+    main()
