@@ -14,6 +14,7 @@ not fit. One table is printed last.
 
     PYTHONPATH=. python3 bench/gpu_bench.py            # on the GPU machine
     PYTHONPATH=. python3 bench/gpu_bench.py --tiny     # a tiny model on the CPU: checks the script itself
+    PYTHONPATH=. python3 bench/gpu_bench.py --small    # the tiny model on the GPU, full workloads (debugging)
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=8192,
                 rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=2048,
+            num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=8192,
             rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
 
 # Step 4, kept here so the comparison can be rerun as it was.
@@ -56,18 +57,20 @@ ROWS_FILE: Path | None = None  # --rows-file: each row appended as it is measure
 class Bench:
     """Shared state of one run: device, shapes, the model folder, measured ceilings."""
 
-    def __init__(self, tiny: bool, budget_s: float):
-        self.tiny = tiny
+    def __init__(self, tiny: bool, budget_s: float, small: bool = False):
+        self.tiny = tiny  # the CPU check: tiny model and tiny workloads
+        self.small = small  # tiny model, full workloads, on the GPU: a quick debugging run
         self.budget_s = budget_s
         self.device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
         self.dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
-        self.shape = TINY if tiny else LLAMA_1B
+        self.shape = TINY if tiny or small else LLAMA_1B
         self.e2e = E2E_TINY if tiny else E2E_GPU
         self.copy_gbs: float | None = None
         self.matmul_tflops: float | None = None
         self.model_dir: Path | None = None
         self.hf = None
         self.runner = None
+        self.cuda_graphs = True
 
     def left(self) -> float:
         return self.budget_s - (time.monotonic() - START)
@@ -192,9 +195,10 @@ def load_runner(bench: Bench) -> None:
     num_blocks = 256 * 34 + 64 if not bench.tiny else 512
     bench.runner = runner = ModelRunner.from_pretrained(
         str(bench.model_dir), num_blocks=num_blocks, block_size=BLOCK_SIZE, device=str(bench.device),
-        dtype=bench.dtype, attention_backend="flex" if bench.tiny else "auto")  # tiny: eager flex on the CPU
+        dtype=bench.dtype, attention_backend="flex" if bench.tiny else "auto",  # tiny: eager flex on the CPU
+        cuda_graphs=bench.cuda_graphs)
     note = ""
-    if not hasattr(runner, "graphs") and bench.device.type == "cuda":
+    if not hasattr(runner, "graphs") and bench.device.type == "cuda" and bench.cuda_graphs:
         attach_graphs(runner)
         note = " (attached by the bench: this runner has no graph support)"
     graphs = getattr(runner, "graphs", None)
@@ -239,13 +243,15 @@ def correctness(bench: Bench) -> None:
     tokens = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
     with torch.inference_mode():
         ref = [hf(torch.tensor([t], device=bench.device)).logits[0].float() for t in tokens]
+    bench.sync()  # an HF failure shows here, not inside our steps
     blocks_per_seq = -(-max(lengths) // BLOCK_SIZE)
     # Scattered block tables (every 4th block) so the paging is exercised.
     tables = [[i + 4 * j for j in range(blocks_per_seq)] for i in range(len(lengths))]
     for chunk in (1, 7, 64):
         done = [0] * len(lengths)
-        errs, agree, rows = [], 0, 0
+        errs, agree, rows, step = [], 0, 0, 0
         while any(d < n for d, n in zip(done, lengths, strict=True)):
+            step += 1
             seqs, spans = [], []
             for i, (d, n) in enumerate(zip(done, lengths, strict=True)):
                 if d >= n:
@@ -255,7 +261,15 @@ def correctness(bench: Bench) -> None:
                 seqs.append(ForwardSeq(f"s{i}", tokens[i][d:d + take], d, tables[i]))
                 spans.append((i, d + take - 1))
                 done[i] = d + take
-            logits = runner.forward(ForwardBatch(seqs)).float()
+            batch = ForwardBatch(seqs)
+            try:
+                logits = runner.forward(batch).float()
+                bench.sync()
+            except Exception as e:
+                graphs = getattr(runner, "graphs", None)
+                key = graphs.key(batch) if graphs is not None else None
+                where = f"chunk {chunk} step {step}: (len, start) {[(len(s.tokens), s.start) for s in seqs]}"
+                raise RuntimeError(f"{where}, graph key {key}: {type(e).__name__}: {e}") from e
             for r, (i, pos) in enumerate(spans):
                 want = ref[i][pos]
                 errs.append(float((logits[r] - want).norm() / want.norm()))
@@ -488,15 +502,18 @@ def print_table() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU (checks the script)")
+    ap.add_argument("--small", action="store_true", help="tiny model on the GPU, full workloads (debugging)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate_batch (step 4's reference)")
     ap.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_BENCH_BUDGET_S", 285)))
+    ap.add_argument("--no-graphs", action="store_true", help="runner without CUDA graphs (debugging)")
     ap.add_argument("--rows-file", type=Path, help="append each result row to this file as it is measured")
     args = ap.parse_args()
     global ROWS_FILE
     ROWS_FILE = args.rows_file
     # A kill (timeout) still prints what was measured.
     signal.signal(signal.SIGTERM, lambda *_: (print_table(), sys.exit(124)))
-    bench = Bench(args.tiny, args.budget_s)
+    bench = Bench(args.tiny, args.budget_s, small=args.small)
+    bench.cuda_graphs = not args.no_graphs
     torch.set_grad_enabled(False)
     guarded("setup: model", bench, 0, setup_model)
     if bench.model_dir is None:
@@ -514,7 +531,7 @@ def main() -> None:
     if not args.no_hf:
         guarded("4. e2e HF defaults", bench, 35, lambda b: end_to_end_hf(b, "defaults"))
         guarded("4. e2e HF cuda graphs", bench, 35, lambda b: end_to_end_hf(b, "cuda_graph"))
-    if bench.runner is not None and bench.copy_gbs and not bench.tiny:
+    if bench.runner is not None and bench.copy_gbs and not bench.tiny and not bench.small:
         guarded("2b. decode, fused/compiled (optional)", bench, 60, decode_compiled)
     summary(bench)
     print_table()

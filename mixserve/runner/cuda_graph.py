@@ -115,6 +115,9 @@ class DecodeGraphs:
         width = self.max_ctx // block_size
         self.flat = torch.zeros(self.ladder[-1] * (4 + width), dtype=torch.int64, device=self.device)
         self.graphs: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor]] = {}
+        # The metadata each graph was captured with: its tensors (row indices, query starts) are read by
+        # the replays, so they must outlive the capture (a freed one's memory would be reused: garbage).
+        self._metas: dict[tuple[int, int], AttentionMetadata] = {}
         self._pool = None
 
     @property
@@ -164,6 +167,7 @@ class DecodeGraphs:
         layout = DecodeLayout(size, ctx // self.block_size)
         views = layout.views(self.flat)
         meta = self._meta(layout, views)
+        self._metas[(size, ctx)] = meta
         # Every row a padding row while capturing: warm-up writes only touch the scratch block.
         self._write(decode_host_inputs(ForwardBatch([]), layout, self.block_size, self.scratch_block))
         if not self.captures:

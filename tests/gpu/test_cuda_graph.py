@@ -77,3 +77,4 @@ def test_static_buffer_decode_matches_the_eager_runner(tiny_model_dir, fused):
     assert graphed.shape == eager.shape
     torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-4)
     assert list(graphs.graphs) == [(4, 8)]
+    assert list(graphs._metas) == [(4, 8)]  # kept alive: replays read its tensors

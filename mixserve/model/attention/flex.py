@@ -270,6 +270,25 @@ def decode_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
+def sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+    """The slow, sure fallback: one SDPA call per sequence over its K/V read back from the cache."""
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    begin = 0
+    for i, (n, length) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+        table = meta.block_tables[i, : -(-length // block_size)]
+        keys, values = (c[table].flatten(0, 1)[:length].transpose(0, 1)[None] for c in (k_cache, v_cache))
+        # Query j sits at position length - n + j and sees keys 0 .. that position.
+        visible = (torch.arange(length, device=q.device)[None, :]
+                   <= torch.arange(length - n, length, device=q.device)[:, None])
+        query = q[begin:begin + n].transpose(0, 1)[None].to(keys.dtype)
+        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, enable_gqa=True)
+        out[begin:begin + n] = o[0].transpose(0, 1).to(q.dtype)
+        begin += n
+    return out
+
+
 def write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 slot_mapping: torch.Tensor) -> None:
     """Write this step's K/V rows at their flat slots (cache viewed as (slots, Hkv, D))."""
@@ -327,11 +346,9 @@ class FlexAttentionBackend(AttentionBackend):
                 return self._flex_forward(q, k_cache, v_cache, meta.extra["flex"])
             except Exception as e:  # noqa: BLE001 - a torch/triton build without working flex compile
                 self.fallback_reason = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-                warnings.warn(f"FlexAttention failed, mixed steps fall back to the torch reference backend: "
+                warnings.warn(f"FlexAttention failed, mixed steps fall back to per-sequence SDPA: "
                               f"{self.fallback_reason}", RuntimeWarning, stacklevel=2)
-        from mixserve.model.attention.torch_ref import TorchAttention
-
-        return TorchAttention().forward(q, k, v, k_cache, v_cache, meta)
+        return sequence_attention(q, k_cache, v_cache, meta)
 
     def _flex_forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       plan: FlexPlan) -> torch.Tensor:
