@@ -46,10 +46,12 @@ def request_body(spec: RequestSpec, model: str, logprobs: int | None = None) -> 
 
 
 async def stream_one(
-    client: httpx.AsyncClient, url: str, model: str, spec: RequestSpec, t0: float, logprobs: int | None = None
+    client: httpx.AsyncClient, url: str, model: str, spec: RequestSpec, t0: float,
+    logprobs: int | None = None, r: RequestResult | None = None,
 ) -> RequestResult:
-    """Stream one completion; every failure becomes RequestResult.error, never an exception."""
-    r = RequestResult(spec.index, spec.kind, spec.prompt_len, spec.output_len)
+    """Stream one completion into r (a new one by default); every failure becomes r.error, never an
+    exception. A caller that cancels it keeps, in r, the tokens that had come."""
+    r = r if r is not None else RequestResult(spec.index, spec.kind, spec.prompt_len, spec.output_len)
     r.start = time.perf_counter() - t0
     try:
         async with client.stream("POST", url, json=request_body(spec, model, logprobs)) as resp:
@@ -134,24 +136,26 @@ async def run_load(
         bar = tqdm(total=len(specs), desc="requests", unit="req", disable=not progress, leave=False)
         t0, t0_monotonic, t0_wall = time.perf_counter(), time.monotonic(), time.time()
 
-        async def send(spec: RequestSpec) -> RequestResult:
+        async def send(spec: RequestSpec, r: RequestResult) -> None:
             await asyncio.sleep(max(0.0, spec.arrival_s - (time.perf_counter() - t0)))
             if gate is None:
-                return await stream_one(client, root + COMPLETIONS_PATH, model, spec, t0, logprobs)
+                await stream_one(client, root + COMPLETIONS_PATH, model, spec, t0, logprobs, r)
+                return
             async with gate:
-                return await stream_one(client, root + COMPLETIONS_PATH, model, spec, t0, logprobs)
+                await stream_one(client, root + COMPLETIONS_PATH, model, spec, t0, logprobs, r)
 
         async def one(spec: RequestSpec) -> RequestResult:
+            r = RequestResult(spec.index, spec.kind, spec.prompt_len, spec.output_len)
             left = None if max_duration_s is None else max_duration_s - (time.perf_counter() - t0)
             try:
                 async with asyncio.timeout(left):
-                    result = await send(spec)
+                    await send(spec, r)
             except TimeoutError:
-                result = RequestResult(spec.index, spec.kind, spec.prompt_len, spec.output_len,
-                                       error=f"deadline: unfinished after the run's {max_duration_s} s")
-                result.end = time.perf_counter() - t0
+                # the tokens that came stay in r: the cross-check with the server counts them too
+                r.ok, r.error = False, f"deadline: unfinished after the run's {max_duration_s} s"
+                r.end = time.perf_counter() - t0
             bar.update(1)
-            return result
+            return r
 
         results = await asyncio.gather(*(one(s) for s in specs))
         duration = time.perf_counter() - t0

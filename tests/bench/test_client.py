@@ -102,19 +102,23 @@ def test_max_concurrency_bounds_requests_in_flight():
 
 
 def test_the_run_deadline_cancels_unfinished_requests_and_reports_them():
+    async def one_token_then_silence():
+        yield b'data: {"choices": [{"text": "x", "finish_reason": null}]}\n\n'
+        await asyncio.Event().wait()  # a server that stops sending mid-stream
+
     async def handler(request: httpx.Request) -> httpx.Response:
         if json.loads(request.content)["max_tokens"] == 1:
             return httpx.Response(200, content=sse([{"choices": [{"text": "x", "finish_reason": "length"}]}]))
-        await asyncio.Event().wait()  # a server that never answers
-        raise AssertionError("unreachable")
+        return httpx.Response(200, content=one_token_then_silence())
 
-    # answered; never answered; not due to be sent before the deadline
+    # answered; one token then silence; not due to be sent before the deadline
     specs = [RequestSpec(0, 0.0, [1], 1, 1), RequestSpec(1, 0.0, [1], 1, 5),
              RequestSpec(2, 3600.0, [1], 1, 1)]
     results = asyncio.run(run_load("http://f", specs, model="m", max_duration_s=0.2,
                                    transport=httpx.MockTransport(handler), progress=False)).results
     assert results[0].ok
     assert [r.error.split(":")[0] for r in results[1:]] == ["deadline", "deadline"]
+    assert len(results[1].token_times) == 1 and results[2].token_times == []  # what came is kept
 
 
 def test_the_bench_never_imports_the_engine():
