@@ -20,6 +20,7 @@ not fit. One table is printed last.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import os
 import signal
@@ -241,9 +242,15 @@ def correctness(bench: Bench) -> None:
     lengths = [120, 97, 61, 33] if not bench.tiny else [30, 21, 13, 7]
     gen = torch.Generator().manual_seed(1)
     tokens = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+    # The fp32 forward is the truth; HF's own bf16 forward shows how far bf16 alone moves the logits.
+    hf32 = copy.deepcopy(hf).float()
     with torch.inference_mode():
-        ref = [hf(torch.tensor([t], device=bench.device)).logits[0].float() for t in tokens]
+        ref = [hf32(torch.tensor([t], device=bench.device)).logits[0].float() for t in tokens]
+        ref16 = [hf(torch.tensor([t], device=bench.device)).logits[0].float() for t in tokens]
+    del hf32
     bench.sync()  # an HF failure shows here, not inside our steps
+    hf_err = max(float((ref16[i][p] - ref[i][p]).norm() / ref[i][p].norm())
+                 for i, n in enumerate(lengths) for p in range(n))
     blocks_per_seq = -(-max(lengths) // BLOCK_SIZE)
     # Scattered block tables (every 4th block) so the paging is exercised.
     tables = [[i + 4 * j for j in range(blocks_per_seq)] for i in range(len(lengths))]
@@ -276,10 +283,11 @@ def correctness(bench: Bench) -> None:
                 agree += int(logits[r].argmax() == want.argmax())
                 rows += 1
         worst = max(errs)
-        ok = worst < 0.05
+        ok = worst <= 1.5 * hf_err + 0.005  # within bf16's own reach: HF bf16 vs fp32, with a margin
         row(f"correctness chunk {chunk}", f"max rel err {worst:.4f}, mean {sum(errs) / len(errs):.4f}",
-            "bf16 tolerance 0.05",
-            f"{'PASS' if ok else 'FAIL'}; argmax agrees {agree}/{rows} rows; {attention_note(runner)}")
+            f"HF bf16 vs fp32: max {hf_err:.4f}",
+            f"{'PASS' if ok else 'FAIL'} (<= 1.5x HF's + 0.005); argmax = fp32's in {agree}/{rows} rows; "
+            f"{attention_note(runner)}")
 
 
 # ---- 2. decode -------------------------------------------------------------------------------------
@@ -459,7 +467,9 @@ def end_to_end_hf(bench: Bench, which: str) -> None:
     prompts = e2e_prompts(bench)
     bench.sync()
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    # No inference_mode here: generate_batch runs its loop in another thread, outside that mode, and
+    # its static tensors made in inference mode would refuse in-place updates there (seen on torch 2.11).
+    with torch.no_grad():
         try:
             results = bench.hf.generate_batch(prompts, generation_config=gen_cfg, progress_bar=False,
                                               **kwargs)
