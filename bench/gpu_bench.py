@@ -15,6 +15,13 @@ not fit. One table is printed last.
     PYTHONPATH=. python3 bench/gpu_bench.py            # on the GPU machine
     PYTHONPATH=. python3 bench/gpu_bench.py --tiny     # a tiny model on the CPU: checks the script itself
     PYTHONPATH=. python3 bench/gpu_bench.py --small    # the tiny model on the GPU, full workloads (debugging)
+
+Last run (2026-11-30, H200, torch 2.11, commit abb39dd; copy 4,247 GB/s, bf16 matmul 780 TFLOP/s):
+  correctness, max rel err vs HF bf16: 0.060 (chunks 1, 7, 64; judged since against HF fp32)
+  decode ms/step (graph), ctx 512: b1 2.74 (4.7x floor), b16 3.94, b64 6.52 (7.8x), b256 16.1 (10.1x);
+    b64 eager 18.4; opt-in fused/compiled decode attention slower (b64 10.4)
+  prefill tok/s: chunk 512 22,276 (6% of matmul), chunk 2048 47,374 (13%): launch-bound eager steps
+  end to end 64 x (512 in, 128 out): 4,036 output tok/s (HF generate_batch not measured in that run)
 """
 
 from __future__ import annotations
