@@ -183,35 +183,49 @@ class LLMEngine:
             return []
         step_plan = plan(self.scheduler, out)
         logits = self.runner.forward(step_plan.batch)
-        rows = [row for row, _ in step_plan.sample]
-        rids = [rid for _, rid in step_plan.sample]
-        states = [self._requests[rid] for rid in rids]
-        if not rows:  # only middle chunks this step: nothing to sample
-            self.scheduler.update(out, {})
-            return self._end_step(start, wall, out, len(step_plan.batch.seqs), 0, [])
-        if rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        sampled = self._sample(logits, step_plan.sample)
+        finished = self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
+        updates, prompt_tokens = self._postprocess(sampled, set(finished))
+        return self._end_step(start, wall, out, len(step_plan.batch.seqs), prompt_tokens, updates)
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[tuple[int, str]]
+    ) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        """The token (and logprobs) of each sampled row; a middle chunk's row is not among them."""
+        if not rows:
+            return {}
+        index = [row for row, _ in rows]
+        if index != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(index, dtype=torch.long, device=logits.device)]
+        states = [self._requests[rid] for _, rid in rows]
         result = self.sampler(logits, [self._sampling_row(s) for s in states])
-        finished_by_length = set(self.scheduler.update(out, dict(zip(rids, result.token_ids, strict=True))))
+        sampled: dict[str, tuple[int, TokenLogprobs | None]] = {}
+        for i, (_, rid) in enumerate(rows):
+            token, lp, top = result.token_ids[i], result.logprobs[i], result.top_logprobs[i]
+            logprobs = None if lp is None or top is None else TokenLogprobs(token, lp, tuple(top))
+            sampled[rid] = (token, logprobs)
+        return sampled
+
+    def _postprocess(
+        self, sampled: dict[str, tuple[int, TokenLogprobs | None]], finished_by_length: set[str]
+    ) -> tuple[list[RequestUpdate], int]:
+        """Detokenize, check stops, end finished requests; returns the updates and new prompt tokens."""
         now = time.monotonic()
-        updates = []
-        prompt_tokens = 0
-        for i, state in enumerate(states):
+        updates, prompt_tokens = [], 0
+        for rid, (token, lp) in sampled.items():
+            state = self._requests[rid]
             if state.num_generated == 0:
                 prompt_tokens += len(state.prompt_token_ids)
-            lp = None
-            if result.logprobs[i] is not None:
-                lp = TokenLogprobs(result.token_ids[i], result.logprobs[i], tuple(result.top_logprobs[i]))
-            reason = state.append(result.token_ids[i], lp, now)
-            if reason is None and state.request_id in finished_by_length:
+            reason = state.append(token, lp, now)
+            if reason is None and rid in finished_by_length:
                 reason = "length"
             updates.append(state.update(reason, now))
             if reason is not None:
                 # finish() frees the blocks of an early stop; abort() then drops the scheduler's record
-                self.scheduler.finish(state.request_id)
-                self.scheduler.abort(state.request_id)
-                del self._requests[state.request_id]
-        return self._end_step(start, wall, out, len(step_plan.batch.seqs), prompt_tokens, updates)
+                self.scheduler.finish(rid)
+                self.scheduler.abort(rid)
+                del self._requests[rid]
+        return updates, prompt_tokens
 
     def _end_step(self, start: float, wall: float, out: ScheduleOutput, num_seqs: int, prompt_tokens: int,
                   updates: list[RequestUpdate]) -> list[RequestUpdate]:
