@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import os
 import threading
+from functools import cache
 
 import torch
 
 
+@cache
 def available_cores() -> list[int]:
-    """The cores this process may run on (its affinity mask), sorted."""
+    """The cores this process may run on (its affinity mask when first asked), sorted.
+
+    Cached: once bind_threads has pinned this thread to one core, its own mask no longer says how many
+    cores the process has, and a second engine in the same thread must still see all of them.
+    """
     try:
         return sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

@@ -53,7 +53,9 @@ def hf_greedy(default_runner: Any) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk", [0, 4, 16])
 def test_greedy_equals_hf_transformers(default_runner: Any, hf_greedy: list[list[int]], chunk: int) -> None:
-    llm = LLM.from_engine(LLMEngine(default_runner, EngineConfig(prefill_chunk=chunk, max_batch_tokens=64)))
+    # threads=1: binding would pin the test process's main thread (and its children) to one core
+    cfg = EngineConfig(prefill_chunk=chunk, max_batch_tokens=64, threads=1)
+    llm = LLM.from_engine(LLMEngine(default_runner, cfg))
     chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}])
     outs = llm.generate([*TEXTS, chat], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
     eos = llm.engine.eos_token_ids
