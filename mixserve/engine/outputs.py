@@ -44,7 +44,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str | None  # "length" | "stop" ("abort" only for requests dropped by abort)
+    finish_reason: str | None  # "length" (max_tokens reached) | "stop" (EOS, stop token or stop string)
     metrics: RequestMetrics
     logprobs: list[TokenLogprobs] | None = None
 
