@@ -118,6 +118,7 @@ class LLMEngine:
             attention_backend=cfg.attention_backend,
             kv_cache_gib=cfg.cpu_kv_cache_gib,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
+            max_num_seqs=cfg.max_num_seqs,  # the largest decode batch a CUDA graph is captured for
         )
         engine = cls(runner, cfg)
         engine._bound_thread = threading.get_ident()  # bound above, before the loader's first parallel work

@@ -6,6 +6,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mixserve.runner.sampler import GREEDY_BELOW
+
 MAX_LOGPROBS = 20  # what OpenAI's API allows for top_logprobs
 
 
@@ -56,7 +58,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

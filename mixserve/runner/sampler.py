@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import torch
 
 _MASK = float("-inf")
+# Temperatures below this sample greedily: dividing logits by, say, 5e-324 overflows to inf and the
+# softmax to NaN (vLLM uses the same cut-off).
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         """`logits` (len(rows), vocab), float32; returns one token per row."""
         logits = logits.float()
-        greedy = [r.temperature == 0.0 for r in rows]
+        greedy = [r.temperature < GREEDY_BELOW for r in rows]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
@@ -61,7 +64,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
         dev = logits.device
         num_rows, vocab = logits.shape
-        temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], device=dev)
+        temps = torch.tensor([max(r.temperature, GREEDY_BELOW) for r in rows], device=dev)
         x = logits / temps.unsqueeze(1)
         if any(0 < r.top_k < vocab for r in rows) or any(r.top_p < 1.0 for r in rows):
             x = self._top_k_top_p(x, rows)

@@ -69,3 +69,11 @@ def test_logprobs_are_a_distribution() -> None:
     assert top[0][1] == out.logprobs[0]
     assert len(out.top_logprobs[1]) == 2 and out.top_logprobs[1][0][1] >= out.top_logprobs[1][1][1]
     assert out.logprobs[1] <= 0 and out.logprobs[2] is None and out.top_logprobs[2] is None
+
+
+def test_tiny_temperature_samples_greedily_instead_of_overflowing():
+    # logits / 5e-324 overflows to inf and the softmax to NaN; such temperatures must act as greedy
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9], [4.0, 1.0, 0.0, 3.99]])
+    rows = [SamplingRow(temperature=5e-324), SamplingRow(temperature=1e-7, top_p=1e-300)]
+    out = Sampler(seed=0)(logits, rows)
+    assert out.token_ids == [1, 0]
