@@ -80,6 +80,18 @@ def _validate(data: Mapping[str, Any], where: str) -> None:
         raise ConfigError(f"{where}: {_describe(errors[0])}" if where else _describe(errors[0]))
 
 
+# JSON Schema rule -> the one-line explanation of a value that breaks it
+_RULE_MESSAGES = {
+    "type": "must be of type {limit}, got {value!r}",
+    "enum": "must be one of {limit}, got {value!r}",
+    "minimum": "must be >= {limit}, got {value!r}",
+    "exclusiveMinimum": "must be > {limit}, got {value!r}",
+    "maximum": "must be <= {limit}, got {value!r}",
+    "pattern": "must match {limit}, got {value!r}",
+    "minLength": "must not be empty",
+}
+
+
 def _describe(error: jsonschema.ValidationError) -> str:
     """One line: the dotted key, then the rule it breaks."""
     key = ".".join(str(p) for p in error.absolute_path)
@@ -91,18 +103,10 @@ def _describe(error: jsonschema.ValidationError) -> str:
         unknown = sorted(k for k in value if k not in allowed)
         where = f"{key}." if key else ""
         return f"{where}{unknown[0]}: unknown key (allowed: {', '.join(sorted(allowed))})"
-    if rule == "type":
-        return f"{prefix}must be of type {error.validator_value}, got {value!r}"
-    if rule == "enum":
-        return f"{prefix}must be one of {', '.join(map(str, error.validator_value))}, got {value!r}"
-    if rule == "minimum":
-        return f"{prefix}must be >= {error.validator_value}, got {value!r}"
-    if rule == "exclusiveMinimum":
-        return f"{prefix}must be > {error.validator_value}, got {value!r}"
-    if rule == "maximum":
-        return f"{prefix}must be <= {error.validator_value}, got {value!r}"
-    if rule == "pattern":
-        return f"{prefix}must match {error.validator_value}, got {value!r}"
-    if rule == "minLength":
-        return f"{prefix}must not be empty"
+    template = _RULE_MESSAGES.get(rule)
+    if template is not None:
+        limit = error.validator_value
+        if rule == "enum":
+            limit = ", ".join(map(str, limit))
+        return prefix + template.format(limit=limit, value=value)
     return f"{prefix}{error.message}"
