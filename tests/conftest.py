@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without CUDA, Triton kernels (mixserve/kernels) run on CPU tensors through Triton's interpreter; it is
+# read when a kernel is decorated, so it must be set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.tiny_model import make_tiny_llama
 
