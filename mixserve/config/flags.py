@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from mixserve.config.loader import ConfigError, load_config
 from mixserve.config.runtime_config import RuntimeConfig
 
+
+def on_off(raw: str) -> bool:
+    """A boolean flag value: on/off, true/false, yes/no or 1/0."""
+    value = {"on": True, "true": True, "yes": True, "1": True,
+             "off": False, "false": False, "no": False, "0": False}.get(raw.strip().lower())
+    if value is None:
+        raise ValueError(raw)
+    return value
+
 # flag -> ([engine] key, parser of the raw string). Values are parsed here, not by argparse, so a bad
 # value becomes one ConfigError line (exit code 2) instead of argparse's usage block.
-ENGINE_FLAGS: dict[str, tuple[str, type]] = {
+ENGINE_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "--model": ("model", str),
     "--prefill-chunk": ("prefill_chunk", int),
     "--max-batch-tokens": ("max_batch_tokens", int),
@@ -20,6 +30,7 @@ ENGINE_FLAGS: dict[str, tuple[str, type]] = {
     "--max-model-len": ("max_model_len", int),
     "--step-trace": ("step_trace", str),
     "--attention-backend": ("attention_backend", str),
+    "--cuda-graphs": ("cuda_graphs", on_off),
     "--threads": ("threads", int),
     "--device": ("device", str),
     "--dtype": ("dtype", str),
@@ -32,7 +43,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", default=None, help="runtime.toml to read")
     group = parser.add_argument_group("engine (override the [engine] table of --config)")
     for flag, (key, kind) in ENGINE_FLAGS.items():
-        group.add_argument(flag, dest=f"engine_{key}", metavar="INT" if kind is int else "STR",
+        metavar = {int: "INT", on_off: "on|off"}.get(kind, "STR")
+        group.add_argument(flag, dest=f"engine_{key}", metavar=metavar,
                            default=None, help=f"[engine].{key}")
 
 
@@ -46,7 +58,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         try:
             engine[key] = kind(raw)
         except ValueError:
-            raise ConfigError(f"{flag}: must be an integer, got {raw!r}") from None
+            expected = "on or off" if kind is on_off else "an integer"
+            raise ConfigError(f"{flag}: must be {expected}, got {raw!r}") from None
     return {"engine": engine}
 
 

@@ -8,11 +8,12 @@ import tomllib
 from collections.abc import Mapping
 from functools import cache
 from importlib import resources
-from typing import Any
-
-import jsonschema
+from typing import TYPE_CHECKING, Any
 
 from mixserve.config.runtime_config import EngineConfig, RuntimeConfig, ServerConfig
+
+if TYPE_CHECKING:
+    import jsonschema
 
 SECTIONS: dict[str, type] = {"engine": EngineConfig, "server": ServerConfig}
 
@@ -74,6 +75,8 @@ def _flatten_overrides(overrides: Mapping[str, Any]) -> list[tuple[str, str, Any
 
 
 def _validate(data: Mapping[str, Any], where: str) -> None:
+    import jsonschema  # here, not at import: a runner-only machine (the GPU bench) may not have it
+
     validator = jsonschema.Draft202012Validator(schema())
     errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
     if errors:

@@ -20,6 +20,7 @@ class EngineConfig:
     max_model_len: int = 0
     step_trace: str = ""
     attention_backend: str = "auto"
+    cuda_graphs: bool = True
     threads: int = 0
     seed: int = 0
     device: str = "auto"

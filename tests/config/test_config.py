@@ -35,7 +35,7 @@ def test_defaults_are_those_of_the_design() -> None:
     assert cfg.engine == EngineConfig(
         model="", prefill_chunk=256, max_batch_tokens=512, max_num_seqs=64, block_size=16, num_blocks=0,
         cpu_kv_cache_gib=2, gpu_memory_utilization=0.9, max_model_len=0, step_trace="",
-        attention_backend="auto", threads=0, seed=0, device="auto", dtype="auto",
+        attention_backend="auto", cuda_graphs=True, threads=0, seed=0, device="auto", dtype="auto",
     )
     assert cfg.server == ServerConfig(host="127.0.0.1", port=8000, api_key="", max_waiting=1024)
 
@@ -105,3 +105,11 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     assert (cfg.engine.prefill_chunk, cfg.engine.block_size, cfg.engine.dtype) == (0, 32, "bfloat16")
     with pytest.raises(ConfigError, match="--max-num-seqs: must be an integer, got 'x'"):
         overrides_from_args(parser.parse_args(["--max-num-seqs", "x"]))
+    off = overrides_from_args(parser.parse_args(["--cuda-graphs", "off"]))
+    assert load_config(None, off).engine.cuda_graphs is False
+    on = overrides_from_args(parser.parse_args(["--cuda-graphs", "ON"]))
+    assert load_config(None, on).engine.cuda_graphs is True
+    with pytest.raises(ConfigError, match="--cuda-graphs: must be on or off, got 'maybe'"):
+        overrides_from_args(parser.parse_args(["--cuda-graphs", "maybe"]))
+    with pytest.raises(ConfigError, match="engine.cuda_graphs: must be of type boolean, got 'yes'"):
+        load_config(write(tmp_path, '[engine]\ncuda_graphs = "yes"\n'))
