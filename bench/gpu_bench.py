@@ -12,9 +12,9 @@ tokenizer, then:
 Each section is guarded (an error prints and the run goes on) and a global time guard skips what would
 not fit. One table is printed last.
 
-    PYTHONPATH=. python3 bench/gpu_bench.py            # on the GPU machine
-    PYTHONPATH=. python3 bench/gpu_bench.py --tiny     # a tiny model on the CPU: checks the script itself
-    PYTHONPATH=. python3 bench/gpu_bench.py --small    # the tiny model on the GPU, full workloads (debugging)
+    python3 bench/gpu_bench.py            # on the GPU machine
+    python3 bench/gpu_bench.py --tiny     # a tiny model on the CPU: checks the script itself
+    python3 bench/gpu_bench.py --small    # the tiny model on the GPU, full workloads (debugging)
 
 Last run (2026-11-30, H200, torch 2.11, commit abb39dd; copy 4,247 GB/s, bf16 matmul 780 TFLOP/s):
   correctness, max rel err vs HF bf16: 0.060 (chunks 1, 7, 64; judged since against HF fp32)
@@ -39,6 +39,9 @@ import types
 from pathlib import Path
 
 import torch
+
+# Run as `python3 bench/gpu_bench.py` from the repository root: mixserve is imported from this checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 START = time.monotonic()
 
