@@ -1,0 +1,139 @@
+"""Fused Triton ops (mixserve/kernels: norm, activation, rope) against PyTorch.
+
+Without CUDA the kernels run on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1, set in
+tests/conftest.py), so shapes stay small. bfloat16 is left out: the interpreter's bfloat16 is broken.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mixserve.kernels import activation  # noqa: E402
+from mixserve.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
+from mixserve.kernels.norm import (  # noqa: E402
+    add_rms_norm,
+    add_rms_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
+from mixserve.kernels.rope import rotary_qk_, rotary_qk_reference  # noqa: E402
+from mixserve.model import llama  # noqa: E402
+from mixserve.model.rope import apply_rotary  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16]
+EPS = 1e-5
+
+
+def _rows(tokens: int, hidden: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """(T, H) rows whose scales span 1e-3 .. 3, so eps matters on the small ones."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.logspace(-3, 0.5, tokens).unsqueeze(1)
+    return (torch.randn(tokens, hidden, generator=g) * scale).to(dtype)
+
+
+def _weight(hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(99)
+    return (1.0 + 0.3 * torch.randn(hidden, generator=g)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "hidden"), [(1, 576), (37, 96), (5, 8192)])
+def test_rms_norm_matches_the_model(dtype: torch.dtype, tokens: int, hidden: int) -> None:
+    x, w = _rows(tokens, hidden, dtype, seed=1), _weight(hidden, dtype)
+    expected = llama.rms_norm(x, w, EPS)
+    assert torch.equal(rms_norm_reference(x, w, EPS), expected)
+    out = rms_norm(x, w, EPS)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "hidden"), [(1, 96), (37, 576)])
+def test_add_rms_norm_adds_in_the_dtype_then_normalises(dtype: torch.dtype, tokens: int, hidden: int) -> None:
+    x, residual, w = _rows(tokens, hidden, dtype, 2), _rows(tokens, hidden, dtype, 3), _weight(hidden, dtype)
+    x_before, residual_before = x.clone(), residual.clone()
+    out, residual_out = add_rms_norm(x, residual, w, EPS)
+    assert torch.equal(residual_out, x_before + residual_before)  # rounded once, like the eager add
+    torch.testing.assert_close(out, llama.rms_norm(x_before + residual_before, w, EPS))
+    ref_out, ref_residual = add_rms_norm_reference(x_before, residual_before, w, EPS)
+    assert torch.equal(ref_residual, residual_out)
+    assert torch.equal(ref_out, llama.rms_norm(ref_residual, w, EPS))
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)  # inputs left alone
+
+
+def test_rms_norm_reads_rows_by_their_stride() -> None:
+    wide = _rows(7, 200, torch.float32, seed=4)
+    x = wide[:, 50:146]  # (7, 96), row stride 200
+    w = _weight(96, torch.float32)
+    torch.testing.assert_close(rms_norm(x, w, EPS), llama.rms_norm(x.contiguous(), w, EPS))
+
+
+def test_norm_rejects_what_it_cannot_read() -> None:
+    w = _weight(96, torch.float32)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        rms_norm(torch.zeros(96, 4).t(), w, EPS)
+    with pytest.raises(ValueError, match="above the kernel"):
+        rms_norm(torch.zeros(1, 8200), torch.ones(8200), EPS)
+    with pytest.raises(ValueError, match="must match"):
+        add_rms_norm(torch.zeros(2, 96), torch.zeros(2, 96, dtype=torch.float16), w, EPS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "inter", "max_block"), [(1, 576, 1024), (37, 96, 1024), (3, 96, 64)])
+def test_silu_and_mul_matches_eager(dtype: torch.dtype, tokens: int, inter: int, max_block: int,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(activation, "MAX_BLOCK", max_block)  # 64: two column programs, the last ragged
+    g = torch.Generator().manual_seed(5)
+    gate_up = (3 * torch.randn(tokens, 2 * inter, generator=g)).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    assert torch.equal(silu_and_mul_reference(gate_up), expected)
+    out = silu_and_mul(gate_up)
+    assert out.shape == (tokens, inter) and out.dtype == dtype
+    torch.testing.assert_close(out, expected)
+
+
+def _tables(max_pos: int, half: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """RotaryTable-style cos/sin (max_pos, D/2) in the model dtype."""
+    inv = 1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float32) / half))
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "q_heads", "kv_heads", "head_dim"), [(1, 4, 2, 16), (37, 6, 2, 24)])
+def test_rotary_in_place_on_views_of_one_qkv_buffer(dtype: torch.dtype, tokens: int, q_heads: int,
+                                                     kv_heads: int, head_dim: int) -> None:
+    g = torch.Generator().manual_seed(6)
+    q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=g).to(dtype)
+    q = qkv[:, :q_size].view(tokens, q_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
+    assert q.stride()[1:] == k.stride()[1:] == (head_dim, 1) and q.data_ptr() == qkv.data_ptr()
+    cos, sin = _tables(100, head_dim // 2, dtype)
+    positions = torch.randperm(100, generator=g)[:tokens]  # out of order
+    positions[tokens // 2] = positions[0]  # and one repeated
+    before = qkv.clone()
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    expected_q, expected_k = apply_rotary(q.clone(), c, s), apply_rotary(k.clone(), c, s)
+    ref_q, ref_k = rotary_qk_reference(q, k, cos, sin, positions)
+    assert torch.equal(ref_q, expected_q) and torch.equal(ref_k, expected_k)
+
+    rotary_qk_(q, k, cos, sin, positions)
+    torch.testing.assert_close(q, expected_q)
+    torch.testing.assert_close(k, expected_k)
+    assert torch.equal(qkv[:, q_size + kv_size :], before[:, q_size + kv_size :])  # v untouched
+
+
+def test_rotary_on_separate_contiguous_q_and_k() -> None:
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(5, 3, 8, generator=g), torch.randn(5, 1, 8, generator=g)
+    cos, sin = _tables(16, 4, torch.float32)
+    positions = torch.tensor([9, 0, 15, 3, 3])
+    expected_q, expected_k = rotary_qk_reference(q, k, cos, sin, positions)
+    rotary_qk_(q, k, cos, sin, positions)
+    torch.testing.assert_close(q, expected_q)
+    torch.testing.assert_close(k, expected_k)
