@@ -12,7 +12,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from mixserve import kernels  # noqa: E402
+from mixserve.core import ForwardBatch, ForwardSeq  # noqa: E402
 from mixserve.kernels import paged_attention as pa  # noqa: E402
+from mixserve.model.attention.flex import FlexAttentionBackend  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3}
@@ -102,3 +105,54 @@ def test_store_kv_writes_exactly_the_named_slots():
         changed = (w_cache != before).flatten(0, 1).any(dim=(1, 2)).nonzero().flatten()
         assert changed.tolist() == sorted(slots.tolist())  # the named slots, nothing else
 
+
+# ---- wiring: FlexAttentionBackend's decode-only branch ----------------------------------------------------
+
+def decode_batch() -> ForwardBatch:
+    """Three decodes (block size 4, contexts of 10, 8 and 9 tokens) over scattered blocks."""
+    return ForwardBatch([ForwardSeq("a", [1], 9, [5, 6, 7]), ForwardSeq("b", [2], 7, [1, 9]),
+                         ForwardSeq("c", [3], 8, [2, 10, 12])])
+
+
+def run_backend(backend: FlexAttentionBackend, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(4)
+    k_cache, v_cache = (torch.randn(16, 4, 2, 16, generator=g).to(DEVICE) for _ in range(2))
+    qkv = torch.randn(batch.num_tokens, 8 + 2 + 2, 16, generator=g).to(DEVICE)
+    q, k, v = qkv[:, :8], qkv[:, 8:10], qkv[:, 10:]
+    meta = backend.prepare(batch, 4, DEVICE)
+    return backend.forward(q, k, v, k_cache, v_cache, meta), k_cache
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """use_triton says yes for any tensor (CPU ones run in the interpreter); counts each kernel's calls."""
+    counts = {"paged_decode_attention": 0, "store_kv": 0}
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    for name in counts:
+        kernel = getattr(pa, name)
+
+        def counted(*args, _kernel=kernel, _name=name, **kwargs):
+            counts[_name] += 1
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(pa, name, counted)
+    return counts
+
+
+def test_backend_decode_runs_the_triton_kernel_when_use_triton(calls: dict[str, int]):
+    auto = FlexAttentionBackend()
+    assert auto.decode_kernel_for(torch.zeros(1)) == "triton"
+    got, got_cache = run_backend(auto, decode_batch())
+    assert calls == {"paged_decode_attention": 1, "store_kv": 1}
+    want, want_cache = run_backend(FlexAttentionBackend(decode_kernel="dense"), decode_batch())
+    assert calls == {"paged_decode_attention": 1, "store_kv": 2}  # dense attention; the write is store_kv
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_cache, want_cache)
+
+
+def test_backend_decode_stays_dense_without_triton():
+    backend = FlexAttentionBackend()
+    if not torch.cuda.is_available():
+        assert backend.decode_kernel_for(torch.zeros(1)) == "dense"
+    with pytest.raises(ValueError, match="decode_kernel"):
+        FlexAttentionBackend(decode_kernel="paged")

@@ -5,9 +5,13 @@ Mixed steps pack every sequence's queries into one (1, Hq, Q, D) tensor and gath
 mask_mod compares per-token sequence ids and absolute positions keeps attention inside each sequence and
 causal. Q and KV lengths are padded to a few size buckets so the compiled kernel is reused.
 
-Decode-only steps (one token per sequence) take a dense path instead: K/V gathered as (S, C, Hkv, D) for a
-context capacity C, two grouped matmuls and a length mask. Its shapes depend only on (S, C), so a CUDA
-graph can capture it (mixserve/runner/cuda_graph.py).
+Decode-only steps (one token per sequence) take a decode path instead, whose launches depend only on
+(S, C) for a context capacity C, so a CUDA graph can capture it (mixserve/runner/cuda_graph.py). Where
+`mixserve.kernels.use_triton(q)` (CUDA tensors, triton installed and enabled) that path is one Triton
+flash-decoding kernel reading K/V in place through the block tables (mixserve/kernels/paged_attention.py);
+elsewhere, or with decode_kernel="dense", it is the dense PyTorch path: K/V gathered as (S, C, Hkv, D),
+two grouped matmuls and a length mask. The cache write likewise is one Triton launch (store_kv) where
+use_triton says so, two index_copy_ elsewhere.
 
 Everything is built once per forward in `prepare` (no host sync: one pinned H2D copy, then device ops);
 `forward` per layer only writes the cache, gathers and attends.
@@ -27,10 +31,12 @@ import torch.nn.functional as F
 # At import: a torch without FlexAttention raises ImportError here, so get_backend("auto") picks torch_ref.
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from mixserve import kernels
 from mixserve.core import ForwardBatch
 from mixserve.model.attention.base import AttentionBackend, AttentionMetadata
 
 FLEX_BLOCK = 128  # FlexAttention's sparse block size (rows and columns of the block mask)
+DECODE_KERNELS = ("auto", "triton", "dense")  # FlexAttentionBackend(decode_kernel=...): see decode_kernel_for
 
 
 def bucket(n: int, minimum: int = FLEX_BLOCK) -> int:
@@ -291,7 +297,15 @@ def sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 def write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 slot_mapping: torch.Tensor) -> None:
-    """Write this step's K/V rows at their flat slots (cache viewed as (slots, Hkv, D))."""
+    """Write this step's K/V rows at their flat slots (cache viewed as (slots, Hkv, D)).
+
+    One Triton launch (store_kv) where `kernels.use_triton(k)`, else two index_copy_.
+    """
+    if kernels.use_triton(k):
+        from mixserve.kernels.paged_attention import store_kv  # imports triton: CUDA machines only
+
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -302,8 +316,12 @@ class FlexAttentionBackend(AttentionBackend):
 
     name = "flex"
 
-    def __init__(self, compile: bool | None = None) -> None:
+    def __init__(self, compile: bool | None = None, decode_kernel: str = "auto") -> None:
+        if decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel must be one of {', '.join(DECODE_KERNELS)}, "
+                             f"got {decode_kernel!r}")
         self.compile = compile  # None: compile on CUDA only
+        self.decode_kernel = decode_kernel  # "auto": triton where kernels.use_triton(q), else dense
         self._flex: dict[Any, Any] = {}
         self.fallback_reason: str | None = None  # set if flex failed here: packed steps use torch_ref
 
@@ -322,6 +340,22 @@ class FlexAttentionBackend(AttentionBackend):
                                else decode_attention_fused)
         return self._flex[key]
 
+    def decode_kernel_for(self, q: torch.Tensor) -> str:
+        """The kernel the decode-only path runs for q: "triton" (paged_decode_attention) or "dense"."""
+        if self.decode_kernel == "auto":
+            return "triton" if kernels.use_triton(q) else "dense"
+        return self.decode_kernel
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                plan: DecodePlan) -> torch.Tensor:
+        if plan.fused:  # the opt-in compiled variant wins over decode_kernel
+            return self._fused_fn(q.device)(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, plan.ctx)
+        if self.decode_kernel_for(q) == "triton":
+            from mixserve.kernels.paged_attention import paged_decode_attention  # imports triton
+
+            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, plan.ctx)
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, plan.ctx)
+
     def prepare(self, batch: ForwardBatch, block_size: int, device: torch.device) -> AttentionMetadata:
         """Metadata for one forward: the dense decode plan for decode-only batches, else the flex plan."""
         ctx = dense_decode_capacity(batch, block_size)
@@ -339,8 +373,7 @@ class FlexAttentionBackend(AttentionBackend):
         write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         decode = meta.extra.get("decode")
         if decode is not None:
-            attend = self._fused_fn(q.device) if decode.fused else decode_attention
-            return attend(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, decode.ctx)
+            return self._decode(q, k_cache, v_cache, meta, decode)
         if self.fallback_reason is None:
             try:
                 return self._flex_forward(q, k_cache, v_cache, meta.extra["flex"])
