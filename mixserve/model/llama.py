@@ -2,16 +2,38 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
+from mixserve.kernels import use_triton
 from mixserve.model.attention.base import AttentionBackend, AttentionMetadata
 from mixserve.model.config import ModelConfig
 from mixserve.model.errors import ModelLoadError
 from mixserve.model.rope import RotaryTable, apply_rotary
+
+
+@dataclass(frozen=True)
+class FusedOps:
+    """The Triton kernels of the fused path (mixserve/kernels), loaded on first use."""
+
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
+    silu_and_mul: Callable[[Tensor], Tensor]
+    rotary_qk_: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]
+
+
+@functools.cache
+def fused_ops() -> FusedOps:
+    """Import the kernel modules (and triton) once, only when the fused path first runs."""
+    from mixserve.kernels import activation, norm, rope
+
+    return FusedOps(rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm,
+                    silu_and_mul=activation.silu_and_mul, rotary_qk_=rope.rotary_qk_)
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -58,6 +80,40 @@ class DecoderLayer(nn.Module):
         gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
         return hidden + F.linear(F.silu(gate) * up, self.down)
 
+    def forward_fused(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryTable,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with Triton kernels, vLLM-style: (hidden, residual) in, (hidden, residual) out.
+
+        The residual stream is carried unsummed: this layer's output is `hidden + residual` (the caller
+        adds it, fused into the next norm). residual=None marks the first layer, whose input is whole.
+        Per layer: 2 norm launches (each with the residual add), 4 GEMMs, 1 RoPE, 1 SiLU*up, attention.
+        """
+        ops = fused_ops()
+        t = hidden.shape[0]
+        if residual is None:
+            residual = hidden
+            x = ops.rms_norm(hidden, self.input_norm, self.eps)
+        else:
+            x, residual = ops.add_rms_norm(hidden, residual, self.input_norm, self.eps)
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        # Strided views into qkv (strides (W, D, 1)): RoPE rotates q and k in place, nothing is copied.
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        ops.rotary_qk_(q, k, rotary.cos, rotary.sin, meta.positions)
+        o = attn.forward(q, k, v, k_cache, v_cache, meta)
+        hidden = F.linear(o.reshape(t, self.q_size), self.o_proj)
+        x, residual = ops.add_rms_norm(hidden, residual, self.post_norm, self.eps)
+        return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up)), self.down), residual
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 like HF, then scaled in the weight's dtype."""
@@ -90,13 +146,47 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         attn: AttentionBackend,
     ) -> torch.Tensor:
-        """Packed tokens (T,) -> float32 logits (S, vocab) of the tokens at meta.last_token_index."""
+        """Packed tokens (T,) -> float32 logits (S, vocab) of the tokens at meta.last_token_index.
+
+        On CUDA with triton (`mixserve.kernels.use_triton`) the layers run fused Triton kernels; elsewhere
+        eager PyTorch. Either way no host sync, so CUDA graphs can capture it."""
         hidden = F.embedding(input_ids, self.embed)
+        if use_triton(hidden):
+            hidden = self._last_hidden_fused(hidden, meta, kv_caches, attn)
+        else:
+            hidden = self._last_hidden(hidden, meta, kv_caches, attn)
+        return F.linear(hidden, self.lm_head).float()
+
+    def _last_hidden(
+        self,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        """Eager PyTorch layers, then the final norm of each sequence's last token: (S, H)."""
         cos, sin = self.rotary.lookup(meta.positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, k_cache, v_cache, attn, meta)
-        hidden = rms_norm(hidden[meta.last_token_index], self.norm, self.config.rms_norm_eps)
-        return F.linear(hidden, self.lm_head).float()
+        return rms_norm(hidden[meta.last_token_index], self.norm, self.config.rms_norm_eps)
+
+    def _last_hidden_fused(
+        self,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        """Fused Triton layers; the last layer's residual add fuses into the final norm: (S, H)."""
+        ops = fused_ops()
+        residual: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer.forward_fused(hidden, residual, self.rotary, k_cache, v_cache, attn,
+                                                   meta)
+        last, eps = meta.last_token_index, self.config.rms_norm_eps
+        if residual is None:  # a model without layers
+            return ops.rms_norm(hidden[last], self.norm, eps)
+        return ops.add_rms_norm(hidden[last], residual[last], self.norm, eps)[0]
 
     @torch.no_grad()
     def load_hf_weights(self, sd: Mapping[str, torch.Tensor], where: str, inv_freq=None) -> None:

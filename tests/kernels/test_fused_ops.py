@@ -1,4 +1,4 @@
-"""Fused Triton ops (mixserve/kernels: norm, activation, rope) against PyTorch.
+"""Fused Triton ops (mixserve/kernels: norm, activation, rope) against PyTorch, and the model's fused path.
 
 Without CUDA the kernels run on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1, set in
 tests/conftest.py), so shapes stay small. bfloat16 is left out: the interpreter's bfloat16 is broken.
@@ -6,11 +6,16 @@ tests/conftest.py), so shapes stay small. bfloat16 is left out: the interpreter'
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from mixserve.core.batch import ForwardBatch, ForwardSeq  # noqa: E402
 from mixserve.kernels import activation  # noqa: E402
 from mixserve.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
 from mixserve.kernels.norm import (  # noqa: E402
@@ -137,3 +142,48 @@ def test_rotary_on_separate_contiguous_q_and_k() -> None:
     rotary_qk_(q, k, cos, sin, positions)
     torch.testing.assert_close(q, expected_q)
     torch.testing.assert_close(k, expected_k)
+
+
+def _two_mixed_steps() -> list[ForwardBatch]:
+    """Step 1: a 6-token prompt and a first chunk; step 2: a decode beside two chunks (positions unsorted)."""
+    return [
+        ForwardBatch([ForwardSeq("a", [5, 17, 42, 8, 99, 3], 0, [7, 2]),
+                      ForwardSeq("b", [11, 12, 13, 14, 15], 0, [0, 5, 9])]),
+        ForwardBatch([ForwardSeq("c", [21, 22, 23], 0, [4]),
+                      ForwardSeq("a", [250], 6, [7, 2]),
+                      ForwardSeq("b", [16, 17, 18, 19], 5, [0, 5, 9])]),
+    ]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_model_fused_path_matches_eager(tiny_model_dir: Path, dtype: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from mixserve.runner import ModelRunner
+
+    runner = ModelRunner.from_pretrained(str(tiny_model_dir), num_blocks=12, block_size=4, device="cpu",
+                                         dtype=dtype)
+    eager = [runner.forward(batch).clone() for batch in _two_mixed_steps()]
+
+    calls = []
+    real_fused_ops = llama.fused_ops
+    monkeypatch.setattr(llama, "use_triton", lambda t: True)  # only the model's switch: attention stays
+    monkeypatch.setattr(llama, "fused_ops", lambda: calls.append(1) or real_fused_ops())
+    fused = [runner.forward(batch).clone() for batch in _two_mixed_steps()]
+
+    assert calls  # the fused path ran
+    tol = {"float32": dict(rtol=1e-5, atol=2e-5), "float16": dict(rtol=5e-3, atol=5e-3)}[dtype]
+    for e, f in zip(eager, fused, strict=True):
+        assert f.shape == e.shape
+        torch.testing.assert_close(f, e, **tol)
+
+
+def test_cpu_forward_never_imports_triton(tiny_model_dir: Path) -> None:
+    code = (
+        "import sys; from mixserve.runner import ModelRunner; from mixserve.core.batch import ForwardBatch, "
+        "ForwardSeq\n"
+        f"r = ModelRunner.from_pretrained({str(tiny_model_dir)!r}, num_blocks=4, block_size=4)\n"
+        "r.forward(ForwardBatch([ForwardSeq('a', [1, 2, 3], 0, [0])]))\n"
+        "assert 'triton' not in sys.modules, 'triton was imported on the CPU path'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
