@@ -27,6 +27,7 @@ Last run (2026-11-30, H200, torch 2.11, commit abb39dd; copy 4,247 GB/s, bf16 ma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import os
@@ -56,7 +57,9 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 # Step 4, kept here so the comparison can be rerun as it was.
 E2E_GPU = dict(num_requests=64, prompt_len=512, output_len=128)
 E2E_TINY = dict(num_requests=4, prompt_len=40, output_len=6)
-OUR_ENGINE = dict(max_num_seqs=64, max_batch_tokens=2048, prefill_chunk=512, block_size=16)
+# A budget of 8,192 tokens packs 16 whole 512-token prompts into one step: 4 prefill steps instead of 16,
+# so the per-step cost of eager mixed steps (launches, block-mask building) is paid 4 times, not 16.
+OUR_ENGINE = dict(max_num_seqs=64, max_batch_tokens=8192, prefill_chunk=512, block_size=16)
 HF_GENERATION = dict(do_sample=False)  # plus max_new_tokens = output_len
 HF_CB_CONFIGS = {"defaults": {}, "cuda_graph": {"use_cuda_graph": True}}
 
@@ -315,33 +318,79 @@ def decode_batch(size: int, ctx: int):
                          for i in range(size)])
 
 
+@contextlib.contextmanager
+def triton_kernels(enabled: bool):
+    """Run the body with mixserve's Triton kernels on or off (mixserve/kernels: MIXSERVE_TRITON)."""
+    from mixserve import kernels
+
+    before = kernels.enabled()
+    kernels.set_enabled(enabled)
+    try:
+        yield
+    finally:
+        kernels.set_enabled(before)
+
+
+def kernels_row(bench: Bench) -> None:
+    """Whether the fused Triton kernels run here (they need CUDA and triton)."""
+    from mixserve import kernels
+
+    probe = torch.empty(0, device=bench.device)
+    on = kernels.use_triton(probe)
+    version = "missing"
+    if kernels.triton_importable():
+        import triton
+
+        version = triton.__version__
+    row("triton kernels", "on" if on else "off", "", f"triton {version}; MIXSERVE_TRITON=0 turns them off")
+
+
+def time_steps(bench: Bench, run, reps: int) -> float:
+    """Seconds per call of run() after 3 warm-up calls (captures, compiles)."""
+    for _ in range(3):
+        run()
+    bench.sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        run()
+    return (time.perf_counter() - t0) / reps
+
+
 def decode(bench: Bench) -> None:
+    """Decode steps: CUDA graphs with the Triton kernels (the default), against graphs of the eager ops
+    and against no graphs at all, side by side at the same batch."""
+    from mixserve.runner.cuda_graph import DecodeGraphs, decode_model_fn
 
     runner = bench.runner
     ctx = 512 if not bench.tiny else 40
     kv_per_token = runner.kv_bytes_per_token
     wbytes = weight_bytes(bench)
     batches = (1, 16, 64, 256) if not bench.tiny else (1, 4)
+    compare = (1, 64) if not bench.tiny else (4,)
     graphs = getattr(runner, "graphs", None)
+    eager_ops_graphs = None
+    if graphs is not None:
+        # Graphs hold what they captured: a second set, captured with the kernels off.
+        eager_ops_graphs = DecodeGraphs(decode_model_fn(runner.model, runner.kv_cache.layers),
+                                        block_size=BLOCK_SIZE, max_num_seqs=graphs.ladder[-1],
+                                        scratch_block=graphs.scratch_block, device=bench.device)
+    reps = 30 if not bench.tiny else 3
     for b in batches:
         batch = decode_batch(b, ctx)
-        modes = [("graph", graphs)] if graphs is not None else []
-        if b == 64 or graphs is None:
-            modes.append(("eager", None))
-        for mode, g in modes:
+        modes = [("graph", graphs, True)] if graphs is not None else [("eager", None, True)]
+        if b in compare:
+            if eager_ops_graphs is not None:
+                modes.append(("graph, kernels off", eager_ops_graphs, False))
+            modes.append(("eager, kernels off", None, False))
+        floor = (wbytes + b * (ctx + 1) * kv_per_token) / (bench.copy_gbs * 1e9)
+        for mode, g, kernels_on in modes:
             runner.graphs = g
             try:
-                for _ in range(3):  # capture / warm up
-                    runner.forward(batch).argmax(-1).tolist()
-                reps = 30 if not bench.tiny else 3
-                bench.sync()
-                t0 = time.perf_counter()
-                for _ in range(reps):
-                    runner.forward(batch).argmax(-1).tolist()  # as the engine does: read the sampled tokens
-                step = (time.perf_counter() - t0) / reps
+                with triton_kernels(kernels_on):
+                    # As the engine does: read the sampled tokens back every step.
+                    step = time_steps(bench, lambda b=batch: runner.forward(b).argmax(-1).tolist(), reps)
             finally:
                 runner.graphs = graphs
-            floor = (wbytes + b * (ctx + 1) * kv_per_token) / (bench.copy_gbs * 1e9)
             row(f"decode b{b} ctx{ctx} ({mode})", f"{step * 1e3:.3f} ms/step ({b / step:,.0f} tok/s)",
                 f"floor {floor * 1e3:.3f} ms", f"{step / floor:.2f}x floor")
 
@@ -388,11 +437,13 @@ def decode_compiled(bench: Bench) -> None:
 # ---- 3. prefill ------------------------------------------------------------------------------------
 
 def prefill(bench: Bench) -> None:
+    """One 4,096-token prompt in chunks of 512 and 2,048 (kernels on, and off at 512), then one step of
+    16 whole 512-token prompts: the prefill step of the end-to-end run."""
     from mixserve.core import ForwardBatch, ForwardSeq
 
     runner, cfg = bench.runner, bench.shape
     prompt = 4096 if not bench.tiny else 256
-    chunks = (512, 2048) if not bench.tiny else (32, 128)
+    chunks = ((512, True), (2048, True), (512, False)) if not bench.tiny else ((32, True), (128, True))
     table = list(range(-(-prompt // BLOCK_SIZE)))
     gen = torch.Generator().manual_seed(2)
     tokens = torch.randint(3, cfg["vocab_size"], (prompt,), generator=gen).tolist()
@@ -400,25 +451,41 @@ def prefill(bench: Bench) -> None:
     embed = cfg["vocab_size"] * hidden
     layer_params = sum(p.numel() for p in bench.runner.model.parameters()) - embed
 
-    def run(chunk: int) -> None:
-        for start in range(0, prompt, chunk):
-            batch = ForwardBatch([ForwardSeq("p", tokens[start:start + chunk], start, table)])
-            runner.forward(batch).argmax(-1).tolist()
+    def flops_of(seq_len: int, num_seqs: int, steps: int) -> float:
+        # Matmuls: layers on every token, LM head once per sequence per step, attention QK^T and PV
+        # (causal: half the square).
+        tokens_in = seq_len * num_seqs
+        return (2 * layer_params * tokens_in + 2 * embed * num_seqs * steps
+                + 2 * 2 * layers * hidden * num_seqs * seq_len * seq_len / 2)
 
-    for chunk in chunks:
-        run(chunk)  # compiles stay out of the timed run
-        bench.sync()
-        t0 = time.perf_counter()
-        run(chunk)
-        elapsed = time.perf_counter() - t0
-        steps = prompt // chunk
-        # Matmul FLOPs: layers on every token, LM head once per step, attention QK^T and PV (causal half).
-        flops = 2 * layer_params * prompt + 2 * embed * steps + 2 * 2 * layers * hidden * prompt * prompt / 2
+    def report(name: str, num_tokens: int, elapsed: float, flops: float, kernels_on: bool) -> None:
         floor = flops / (bench.matmul_tflops * 1e12)
-        row(f"prefill chunk {chunk} ({prompt} tokens)", f"{prompt / elapsed:,.0f} tok/s",
-            f"matmul floor {prompt / floor:,.0f} tok/s",
+        row(name, f"{num_tokens / elapsed:,.0f} tok/s", f"matmul floor {num_tokens / floor:,.0f} tok/s",
             f"{flops / elapsed / 1e12:,.0f} TFLOP/s = {floor / elapsed:.0%} of measured matmul; "
-            f"{attention_note(runner)}")
+            f"kernels {'on' if kernels_on else 'off'}; {attention_note(runner)}")
+
+    for chunk, kernels_on in chunks:
+        def run(chunk: int = chunk) -> None:
+            for start in range(0, prompt, chunk):
+                batch = ForwardBatch([ForwardSeq("p", tokens[start:start + chunk], start, table)])
+                runner.forward(batch).argmax(-1).tolist()
+
+        with triton_kernels(kernels_on):
+            run()  # compiles stay out of the timed run
+            bench.sync()
+            t0 = time.perf_counter()
+            run()
+            elapsed = time.perf_counter() - t0
+        flops = flops_of(prompt, 1, prompt // chunk)
+        report(f"prefill chunk {chunk} ({prompt} tokens)", prompt, elapsed, flops, kernels_on)
+
+    num_seqs, length = (16, 512) if not bench.tiny else (4, 32)
+    per_seq = -(-length // BLOCK_SIZE)
+    packed = ForwardBatch([ForwardSeq(f"p{i}", tokens[:length], 0,
+                                      list(range(i * per_seq, (i + 1) * per_seq))) for i in range(num_seqs)])
+    step = time_steps(bench, lambda: runner.forward(packed).argmax(-1).tolist(), 5)
+    report(f"prefill step {num_seqs} x {length} (one step)", num_seqs * length, step,
+           flops_of(length, num_seqs, 1), True)
 
 
 # ---- 4. end to end ---------------------------------------------------------------------------------
@@ -551,6 +618,7 @@ def main() -> None:
         return
     guarded("setup: ceilings", bench, 0, measure_ceilings)
     guarded("setup: runner", bench, 30, load_runner)
+    guarded("setup: kernels", bench, 0, kernels_row)
     if bench.runner is not None:
         guarded("1. correctness", bench, 30, correctness)
         if bench.copy_gbs:

@@ -43,6 +43,11 @@ def set_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
+def enabled() -> bool:
+    """Whether the kernels are turned on (they still run only for CUDA tensors with triton installed)."""
+    return _enabled
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """True when `t` lives on a CUDA device, triton is installed and the kernels are enabled."""
     return t.is_cuda and _enabled and triton_importable()
