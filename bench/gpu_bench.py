@@ -342,7 +342,9 @@ def kernels_row(bench: Bench) -> None:
         import triton
 
         version = triton.__version__
-    row("triton kernels", "on" if on else "off", "", f"triton {version}; MIXSERVE_TRITON=0 turns them off")
+    reason = getattr(bench.runner, "kernels_off_reason", None)
+    note = f"self-check FAILED, turned off: {reason}" if reason else "MIXSERVE_TRITON=0 turns them off"
+    row("triton kernels", "on" if on else "off", "", f"triton {version}; {note}")
 
 
 def time_steps(bench: Bench, run, reps: int) -> float:

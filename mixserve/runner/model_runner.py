@@ -72,6 +72,13 @@ class ModelRunner:
         on_cuda = self.device.type == "cuda"
         # On CUDA one more block than the scheduler knows: the scratch block decode-graph padding rows write.
         self.kv_cache = KVCache(self.config, num_blocks + int(on_cuda), block_size, self.dtype, self.device)
+        # The Triton kernels (mixserve/kernels) are checked on this device once: a triton that cannot build
+        # them turns them off (one warning) instead of failing the first step. None = fine or not used.
+        self.kernels_off_reason: str | None = None
+        if on_cuda:
+            from mixserve.kernels.self_check import check_or_disable
+
+            self.kernels_off_reason = check_or_disable(self.device, self.dtype)
         self.graphs = None  # DecodeGraphs (runner/cuda_graph.py): decode-only steps replay CUDA graphs
         if cuda_graphs and on_cuda:
             from mixserve.runner.cuda_graph import DecodeGraphs, decode_model_fn
