@@ -9,7 +9,9 @@ kernel merges the splits. With one split the first kernel writes the output itse
 
 Everything the kernels branch on at run time (sequence lengths, block tables) is read on the device, and
 every launch parameter is a function of shapes only (S, Hkv, ctx), so both kernels can be captured in a
-CUDA graph (mixserve/runner/cuda_graph.py) and replayed for any lengths up to ctx.
+CUDA graph (mixserve/runner/cuda_graph.py) and replayed for any lengths up to ctx. The split count is a
+run-time argument (only "one split or several" is compiled in), so the graphs of every batch size and
+context capacity share two compiled variants of the decode kernel and one of the merge kernel.
 
 Only plain Triton (tl.load/store/dot/exp/log/max/sum/where): no descriptors or TMA, so the kernels run
 under the interpreter on CPU tensors (the tests) and should compile on any recent Triton.
@@ -50,7 +52,7 @@ def _paged_decode_kernel(
     stride_bts, stride_btc,
     stride_os, stride_oh,  # out (S, Hq, D), last stride 1
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
 ):
     """One (sequence, KV head, split): the GROUP query heads of that KV head over its split's positions."""
     seq = tl.program_id(0)
@@ -103,22 +105,21 @@ def _paged_decode_kernel(
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     store_mask = row_ok[:, None] & dim_ok[None, :]
-    if NUM_SPLITS == 1:
+    if SINGLE_SPLIT:
         tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
         lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        # Partials are contiguous (S, Hq, NUM_SPLITS[, HEAD_DIM]) fp32.
-        part = (seq * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        # Partials are contiguous (S, Hq, splits[, HEAD_DIM]) fp32; Hq = GROUP * Hkv.
+        part = (seq * GROUP * tl.num_programs(1) + heads) * tl.num_programs(2) + split
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=store_mask)
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
 @triton.jit
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_os, stride_oh,
+    part_out_ptr, part_lse_ptr, out_ptr, stride_os, stride_oh, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
 ):
     """One (sequence, KV head): each query head's split partials weighted by exp(lse - its max lse)."""
     seq = tl.program_id(0)
@@ -128,16 +129,16 @@ def _merge_splits_kernel(
     row_ok = rows < GROUP
     mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
     heads = kv_head * GROUP + rows
-    # Partials are contiguous (S, Hq, NUM_SPLITS[, HEAD_DIM]): split j of a head at part + j.
-    part = (seq * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS
+    # Partials are contiguous (S, Hq, num_splits[, HEAD_DIM]): split j of a head at part + j.
+    part = (seq * GROUP * tl.num_programs(1) + heads) * num_splits
 
     top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    for j in range(NUM_SPLITS):
+    for j in range(num_splits):
         top = tl.maximum(top, tl.load(part_lse_ptr + part + j, mask=row_ok, other=float("-inf")))
     top = tl.where(top == float("-inf"), 0.0, top)  # no split saw a position (never for seq_len >= 1)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    for j in range(NUM_SPLITS):
+    for j in range(num_splits):
         lse = tl.load(part_lse_ptr + part + j, mask=row_ok, other=float("-inf"))
         weight = tl.exp(lse - top)  # 0 for an empty split (lse -inf)
         split_out = tl.load(part_out_ptr + (part + j)[:, None] * HEAD_DIM + dims[None, :], mask=mask,
@@ -195,13 +196,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, head_dim_pad),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=splits == 1,
     )
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_kv_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1),
+            part_out, part_lse, out, out.stride(0), out.stride(1), splits,
             GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=splits,
+            HEAD_DIM_PAD=head_dim_pad,
         )
     return out
 
