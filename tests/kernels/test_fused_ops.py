@@ -1,7 +1,8 @@
 """Fused Triton ops (mixserve/kernels: norm, activation, rope) against PyTorch, and the model's fused path.
 
-Without CUDA the kernels run on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1, set in
-tests/conftest.py), so shapes stay small. bfloat16 is left out: the interpreter's bfloat16 is broken.
+On a CUDA machine they run on the GPU, bfloat16 included. Without CUDA they run on CPU tensors through
+Triton's interpreter (TRITON_INTERPRET=1, set in tests/conftest.py), so shapes stay small; bfloat16 is
+left out there: the interpreter's bfloat16 is broken.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from mixserve.kernels.rope import rotary_qk_, rotary_qk_reference  # noqa: E402
 from mixserve.model import llama  # noqa: E402
 from mixserve.model.rope import apply_rotary  # noqa: E402
 
-DTYPES = [torch.float32, torch.float16]
+ON_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
 EPS = 1e-5
 
 
@@ -36,12 +39,12 @@ def _rows(tokens: int, hidden: int, dtype: torch.dtype, seed: int) -> torch.Tens
     """(T, H) rows whose scales span 1e-3 .. 3, so eps matters on the small ones."""
     g = torch.Generator().manual_seed(seed)
     scale = torch.logspace(-3, 0.5, tokens).unsqueeze(1)
-    return (torch.randn(tokens, hidden, generator=g) * scale).to(dtype)
+    return (torch.randn(tokens, hidden, generator=g) * scale).to(DEVICE, dtype)
 
 
 def _weight(hidden: int, dtype: torch.dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(99)
-    return (1.0 + 0.3 * torch.randn(hidden, generator=g)).to(dtype)
+    return (1.0 + 0.3 * torch.randn(hidden, generator=g)).to(DEVICE, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -79,11 +82,12 @@ def test_rms_norm_reads_rows_by_their_stride() -> None:
 def test_norm_rejects_what_it_cannot_read() -> None:
     w = _weight(96, torch.float32)
     with pytest.raises(ValueError, match="contiguous rows"):
-        rms_norm(torch.zeros(96, 4).t(), w, EPS)
+        rms_norm(torch.zeros(96, 4, device=DEVICE).t(), w, EPS)
     with pytest.raises(ValueError, match="above the kernel"):
-        rms_norm(torch.zeros(1, 8200), torch.ones(8200), EPS)
+        rms_norm(torch.zeros(1, 8200, device=DEVICE), torch.ones(8200, device=DEVICE), EPS)
     with pytest.raises(ValueError, match="must match"):
-        add_rms_norm(torch.zeros(2, 96), torch.zeros(2, 96, dtype=torch.float16), w, EPS)
+        half = torch.zeros(2, 96, device=DEVICE, dtype=torch.float16)
+        add_rms_norm(torch.zeros(2, 96, device=DEVICE), half, w, EPS)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -92,7 +96,7 @@ def test_silu_and_mul_matches_eager(dtype: torch.dtype, tokens: int, inter: int,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(activation, "MAX_BLOCK", max_block)  # 64: two column programs, the last ragged
     g = torch.Generator().manual_seed(5)
-    gate_up = (3 * torch.randn(tokens, 2 * inter, generator=g)).to(dtype)
+    gate_up = (3 * torch.randn(tokens, 2 * inter, generator=g)).to(DEVICE, dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
     assert torch.equal(silu_and_mul_reference(gate_up), expected)
@@ -105,7 +109,7 @@ def _tables(max_pos: int, half: int, dtype: torch.dtype) -> tuple[torch.Tensor, 
     """RotaryTable-style cos/sin (max_pos, D/2) in the model dtype."""
     inv = 1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float32) / half))
     angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return angles.cos().to(DEVICE, dtype), angles.sin().to(DEVICE, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -114,13 +118,14 @@ def test_rotary_in_place_on_views_of_one_qkv_buffer(dtype: torch.dtype, tokens: 
                                                      kv_heads: int, head_dim: int) -> None:
     g = torch.Generator().manual_seed(6)
     q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
-    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=g).to(dtype)
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=g).to(DEVICE, dtype)
     q = qkv[:, :q_size].view(tokens, q_heads, head_dim)
     k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
     assert q.stride()[1:] == k.stride()[1:] == (head_dim, 1) and q.data_ptr() == qkv.data_ptr()
     cos, sin = _tables(100, head_dim // 2, dtype)
     positions = torch.randperm(100, generator=g)[:tokens]  # out of order
     positions[tokens // 2] = positions[0]  # and one repeated
+    positions = positions.to(DEVICE)
     before = qkv.clone()
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     expected_q, expected_k = apply_rotary(q.clone(), c, s), apply_rotary(k.clone(), c, s)
@@ -135,9 +140,9 @@ def test_rotary_in_place_on_views_of_one_qkv_buffer(dtype: torch.dtype, tokens: 
 
 def test_rotary_on_separate_contiguous_q_and_k() -> None:
     g = torch.Generator().manual_seed(7)
-    q, k = torch.randn(5, 3, 8, generator=g), torch.randn(5, 1, 8, generator=g)
+    q, k = torch.randn(5, 3, 8, generator=g).to(DEVICE), torch.randn(5, 1, 8, generator=g).to(DEVICE)
     cos, sin = _tables(16, 4, torch.float32)
-    positions = torch.tensor([9, 0, 15, 3, 3])
+    positions = torch.tensor([9, 0, 15, 3, 3], device=DEVICE)
     expected_q, expected_k = rotary_qk_reference(q, k, cos, sin, positions)
     rotary_qk_(q, k, cos, sin, positions)
     torch.testing.assert_close(q, expected_q)
@@ -155,28 +160,34 @@ def _two_mixed_steps() -> list[ForwardBatch]:
     ]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+MODEL_TOLERANCE = {"float32": 2e-5, "float16": 5e-3, "bfloat16": 5e-2}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"] + (["bfloat16"] if ON_CUDA else []))
 def test_model_fused_path_matches_eager(tiny_model_dir: Path, dtype: str,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from mixserve.runner import ModelRunner
 
-    runner = ModelRunner.from_pretrained(str(tiny_model_dir), num_blocks=12, block_size=4, device="cpu",
-                                         dtype=dtype)
+    runner = ModelRunner.from_pretrained(str(tiny_model_dir), num_blocks=12, block_size=4, device=DEVICE,
+                                         dtype=dtype, attention_backend="torch", cuda_graphs=False)
+    # Only the model's switch is patched (not mixserve.kernels.use_triton): the attention stays as it is.
+    monkeypatch.setattr(llama, "use_triton", lambda t: False)
     eager = [runner.forward(batch).clone() for batch in _two_mixed_steps()]
 
     calls = []
     real_fused_ops = llama.fused_ops
-    monkeypatch.setattr(llama, "use_triton", lambda t: True)  # only the model's switch: attention stays
+    monkeypatch.setattr(llama, "use_triton", lambda t: True)
     monkeypatch.setattr(llama, "fused_ops", lambda: calls.append(1) or real_fused_ops())
     fused = [runner.forward(batch).clone() for batch in _two_mixed_steps()]
 
     assert calls  # the fused path ran
-    tol = {"float32": dict(rtol=1e-5, atol=2e-5), "float16": dict(rtol=5e-3, atol=5e-3)}[dtype]
+    tol = dict(rtol=MODEL_TOLERANCE[dtype], atol=MODEL_TOLERANCE[dtype])
     for e, f in zip(eager, fused, strict=True):
         assert f.shape == e.shape
         torch.testing.assert_close(f, e, **tol)
 
 
+@pytest.mark.skipif(ON_CUDA, reason="guards CPU-only machines")
 def test_cpu_forward_never_imports_triton(tiny_model_dir: Path) -> None:
     code = (
         "import sys; from mixserve.runner import ModelRunner; from mixserve.core.batch import ForwardBatch, "
