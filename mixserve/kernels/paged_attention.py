@@ -91,14 +91,15 @@ def _paged_decode_kernel(
         k = tl.load(k_cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
 
-        scores = tl.dot(q, tl.trans(k)) * scale  # (GROUP_PAD, BLOCK_N) in fp32
+        # input_precision="ieee": fp32 caches are not rounded to tf32 (no effect on bf16/fp16 operands).
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (GROUP_PAD, BLOCK_N) in fp32
         scores = tl.where(valid[None, :], scores, float("-inf"))
         # Every tile holds at least one valid position (pos < end), so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp(m_i - m_new)  # 0 on the first tile (m_i = -inf)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
     # An empty split keeps l_i = 0: output 0 with weight exp(-inf) = 0 (no 0/0, no log(0)).
