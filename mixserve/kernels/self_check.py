@@ -61,7 +61,7 @@ def _check_rope(device: torch.device, dtype: torch.dtype, gen: torch.Generator) 
 def _check_paged_attention(device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> None:
     from mixserve.kernels import paged_attention as pa
 
-    num_blocks, block_size, kv_heads, head_dim, q_heads = 12, 16, 2, 64, 8
+    num_blocks, block_size, kv_heads, head_dim, q_heads = 24, 16, 2, 64, 8
     shape = (num_blocks, block_size, kv_heads, head_dim)
     k_cache, v_cache = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(2))
     k_new, v_new = (torch.randn(3, kv_heads, head_dim, generator=gen).to(device, dtype) for _ in range(2))
@@ -71,13 +71,16 @@ def _check_paged_attention(device: torch.device, dtype: torch.dtype, gen: torch.
     pa.store_kv(k_new, v_new, k_cache, v_cache, slots)
     _close("store_kv (k)", k_cache, want_k, dtype)
     _close("store_kv (v)", v_cache, want_v, dtype)
-    ctx = 64
+    ctx = 128
     q = torch.randn(3, q_heads, head_dim, generator=gen).to(device, dtype)
-    tables = torch.tensor([[3, 7, 1, 9], [0, 2, 4, 6], [11, 10, 8, 5]], device=device)
-    seq_lens = torch.tensor([64, 1, 37], device=device)
-    got = pa.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, ctx)
+    order = torch.randperm(num_blocks, generator=gen)[: 3 * ctx // block_size]
+    tables = order.view(3, ctx // block_size).to(device)
+    seq_lens = torch.tensor([128, 1, 70], device=device)
     want = pa.paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, ctx)
-    _close("paged_decode_attention", got, want, dtype)
+    # One split (a single kernel) and two (split kernel + merge): both variants a CUDA graph may capture.
+    for splits in (1, 2):
+        got = pa.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, ctx, num_splits=splits)
+        _close(f"paged_decode_attention ({splits} split{'s' if splits > 1 else ''})", got, want, dtype)
 
 
 CHECKS: list[Callable[[torch.device, torch.dtype, torch.Generator], None]] = [
