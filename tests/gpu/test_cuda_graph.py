@@ -57,8 +57,10 @@ def test_only_small_decode_only_batches_have_a_key():
     assert graphs.key(ForwardBatch([ForwardSeq("c", [1], 100, list(range(26)))])) is None  # past max_ctx
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_static_buffer_decode_matches_the_eager_runner(tiny_model_dir, fused):
+@pytest.mark.parametrize("fused, triton", [(False, False), (True, False), (False, True)])
+def test_static_buffer_decode_matches_the_eager_runner(tiny_model_dir, fused, triton, monkeypatch):
+    """The graph path (padded rows on the scratch block) equals the eager runner; with `triton` the graph
+    path runs every Triton kernel (norms, RoPE, store_kv, paged decode) through the interpreter."""
     runner = ModelRunner.from_pretrained(str(tiny_model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     prompts = {"a": ([5, 6, 7, 8, 9, 10, 11], [0, 1]), "b": ([12, 13, 14], [2]), "c": ([3, 4], [5])}
     runner.forward(ForwardBatch([ForwardSeq(r, toks, 0, table) for r, (toks, table) in prompts.items()]))
@@ -73,6 +75,11 @@ def test_static_buffer_decode_matches_the_eager_runner(tiny_model_dir, fused):
     graphs = DecodeGraphs(decode_model_fn(runner.model, runner.kv_cache.layers), block_size=BLOCK_SIZE,
                           max_num_seqs=8, scratch_block=SCRATCH, device=runner.device, max_ctx=64,
                           fused_attention=fused)
+    if triton:  # as on CUDA: the model's fused path and the backend's Triton decode and cache writes
+        from mixserve import kernels
+
+        monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+        monkeypatch.setattr("mixserve.model.llama.use_triton", lambda t: True)
     graphed = graphs.run(decodes)  # 3 rows padded to 4
     assert graphed.shape == eager.shape
     torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-4)
