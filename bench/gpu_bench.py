@@ -5,8 +5,10 @@ Random weights of the Llama-3.2-1B shape (bf16) are written to a temporary HF fo
 tokenizer, then:
   1. correctness: our logits vs HF forward, chunk sizes 1, 7, 64 in mixed batches (a decoding sequence
      beside prefill chunks; chunk 1 is decode-only and runs from CUDA graphs);
-  2. decode step time at batch 1/16/64/256 with 512 tokens of context vs (weights + KV read) / copy bandwidth;
-  3. prefill throughput at chunk 512 and 2048 vs the measured bf16 matmul rate;
+  2. decode step time at batch 1/16/64/256 with 512 tokens of context vs (weights + KV read) / copy bandwidth,
+     and at batch 1 and 64 the same step with the Triton kernels off (graphs of the eager ops, and no graphs);
+  3. prefill throughput at chunk 512 and 2048 vs the measured bf16 matmul rate (512 also kernels off), and
+     one step of 16 whole 512-token prompts (the prefill step of section 4);
   4. end to end: 64 x (512 in, 128 out, ignore_eos) through LLM.generate vs HF `generate_batch`
      (defaults, and ContinuousBatchingConfig(use_cuda_graph=True)); the better HF figure is the reference.
 Each section is guarded (an error prints and the run goes on) and a global time guard skips what would
@@ -16,7 +18,12 @@ not fit. One table is printed last.
     python3 bench/gpu_bench.py --tiny     # a tiny model on the CPU: checks the script itself
     python3 bench/gpu_bench.py --small    # the tiny model on the GPU, full workloads (debugging)
 
-Last run (2026-11-30, H200, torch 2.11, commit abb39dd; copy 4,247 GB/s, bf16 matmul 780 TFLOP/s):
+The Triton kernels (mixserve/kernels: fused norms, RoPE, SwiGLU, store_kv, paged decode attention) came
+after the last run and have not run on a GPU yet; the "triton kernels" row says whether they are on (a
+failed start-up self-check turns them off and says why).
+
+Last run, before the kernels (2026-11-30, H200, torch 2.11, commit abb39dd;
+  copy 4,247 GB/s, bf16 matmul 780 TFLOP/s):
   correctness, max rel err vs HF bf16: 0.060 (chunks 1, 7, 64; judged since against HF fp32)
   decode ms/step (graph), ctx 512: b1 2.74 (4.7x floor), b16 3.94, b64 6.52 (7.8x), b256 16.1 (10.1x);
     b64 eager 18.4; opt-in fused/compiled decode attention slower (b64 10.4)
