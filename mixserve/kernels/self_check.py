@@ -83,8 +83,28 @@ def _check_paged_attention(device: torch.device, dtype: torch.dtype, gen: torch.
         _close(f"paged_decode_attention ({splits} split{'s' if splits > 1 else ''})", got, want, dtype)
 
 
+def _check_varlen_attention(device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> None:
+    from mixserve.kernels import varlen_attention as va
+
+    num_blocks, block_size, kv_heads, head_dim, q_heads = 24, 16, 2, 64, 8
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(2))
+    # A decode at context 100, a 37-token chunk resuming at position 20, a whole 21-token prompt.
+    query_lens, seq_lens = [1, 37, 21], [100, 57, 21]
+    q = torch.randn(sum(query_lens), q_heads, head_dim, generator=gen).to(device, dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[:21].view(3, 7).to(device)  # scattered pages
+    query_start = torch.tensor([0, 1, 38, 59], device=device)
+    lens = torch.tensor(seq_lens, device=device)
+    want = va.paged_varlen_attention_ref(q, k_cache, v_cache, tables, lens, query_start)
+    block_m = va.default_block_m(q_heads // kv_heads)  # the variant serving compiles for this group
+    tile_seq, tile_start = (torch.tensor(t, device=device) for t in va.build_tiles(query_lens, block_m))
+    got = va.paged_varlen_attention(q, k_cache, v_cache, tables, lens, query_start, tile_seq, tile_start,
+                                    block_m)
+    _close("paged_varlen_attention", got, want, dtype)
+
+
 CHECKS: list[Callable[[torch.device, torch.dtype, torch.Generator], None]] = [
-    _check_norms, _check_activation, _check_rope, _check_paged_attention,
+    _check_norms, _check_activation, _check_rope, _check_paged_attention, _check_varlen_attention,
 ]
 
 

@@ -1,5 +1,6 @@
-"""The whole CUDA path — flex backend, fused model, every Triton kernel — run on the CPU through Triton's
-interpreter, step by step equal to the plain PyTorch runner (torch attention, no kernels)."""
+"""The whole CUDA path — flex backend, fused model, every Triton kernel (the varlen kernel for mixed steps,
+flash-decoding for decode-only ones) — run on the CPU through Triton's interpreter, step by step equal to
+the plain PyTorch runner (torch attention, no kernels)."""
 
 from __future__ import annotations
 
@@ -31,16 +32,17 @@ def _run(path: Path, backend: str) -> list[torch.Tensor]:
 def test_cuda_path_equals_the_torch_runner(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reference = _run(tiny_model_dir, "torch")
     launched: list[str] = []
-    from mixserve.kernels import paged_attention
+    from mixserve.kernels import paged_attention, varlen_attention
 
-    for name in ("paged_decode_attention", "store_kv"):
-        real = getattr(paged_attention, name)
-        monkeypatch.setattr(paged_attention, name,
+    for module, name in ((paged_attention, "paged_decode_attention"), (paged_attention, "store_kv"),
+                         (varlen_attention, "paged_varlen_attention")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name,
                             lambda *a, _real=real, _name=name, **k: launched.append(_name) or _real(*a, **k))
     monkeypatch.setattr(kernels, "use_triton", lambda t: True)  # as on CUDA with triton
     monkeypatch.setattr(llama, "use_triton", lambda t: True)
     cuda_path = _run(tiny_model_dir, "flex")
-    assert {"paged_decode_attention", "store_kv"} <= set(launched)
+    assert {"paged_decode_attention", "store_kv", "paged_varlen_attention"} <= set(launched)
     for want, got in zip(reference, cuda_path, strict=True):
         torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
         assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -13,6 +13,11 @@ elsewhere, or with decode_kernel="dense", it is the dense PyTorch path: K/V gath
 two grouped matmuls and a length mask. The cache write likewise is one Triton launch (store_kv) where
 use_triton says so, two index_copy_ elsewhere.
 
+Mixed steps on CUDA with triton (`use_triton`, packed_kernel "auto" or "triton") skip the gather and the
+BlockMask: one Triton kernel per layer (mixserve/kernels/varlen_attention.py) reads K/V straight from the
+cache over query tiles of one sequence each, built on the host in `prepare` (no FlexAttention compiles of
+new padded shapes in the middle of serving). FlexAttention stays the packed path elsewhere.
+
 Everything is built once per forward in `prepare` (no host sync: one pinned H2D copy, then device ops);
 `forward` per layer only writes the cache, gathers and attends.
 """
@@ -37,6 +42,7 @@ from mixserve.model.attention.base import AttentionBackend, AttentionMetadata
 
 FLEX_BLOCK = 128  # FlexAttention's sparse block size (rows and columns of the block mask)
 DECODE_KERNELS = ("auto", "triton", "dense")  # FlexAttentionBackend(decode_kernel=...): see decode_kernel_for
+PACKED_KERNELS = ("auto", "triton", "flex")  # FlexAttentionBackend(packed_kernel=...): see packed_kernel_for
 
 
 def bucket(n: int, minimum: int = FLEX_BLOCK) -> int:
@@ -68,6 +74,21 @@ class FlexPlan:
     kv_pad: int  # padded packed KV length
     kv_slots: torch.Tensor  # (kv_pad,) int64: flat cache slot of each packed K/V entry
     block_mask: BlockMask
+
+
+@dataclass
+class VarlenPlan:
+    """Per-forward state of the packed path's Triton kernel: query tiles of block_m tokens of one sequence.
+
+    block_m is picked for the model's GQA group, which `prepare` does not see: it uses the group of the
+    backend's last forward, and `tiles_for` rebuilds the tiles (one more H2D copy) when that guess was
+    wrong, which happens only on the first mixed step of a model.
+    """
+
+    query_lens: list[int]  # host copy, to rebuild the tiles for another block_m
+    block_m: int
+    tile_seq: torch.Tensor  # (tiles,) int64: sequence of each tile
+    tile_start: torch.Tensor  # (tiles,) int64: first packed query row of each tile
 
 
 @dataclass
@@ -121,10 +142,17 @@ def to_device(lists: dict[str, list[int]], device: torch.device) -> dict[str, to
 
 
 def build_device_metadata(batch: ForwardBatch, block_size: int, device: torch.device,
-                   width: int | None = None) -> AttentionMetadata:
-    """The shared AttentionMetadata fields of DESIGN's seam (positions, slots, lengths, tables)."""
+                          width: int | None = None,
+                          extra_lists: dict[str, list[int]] | None = None) -> AttentionMetadata:
+    """The shared AttentionMetadata fields of DESIGN's seam (positions, slots, lengths, tables).
+
+    extra_lists ride along in the same single H2D copy; their device tensors land in meta.extra.
+    """
     lists = host_inputs(batch, block_size, width)
-    t = to_device(lists, device)
+    extra_lists = extra_lists or {}
+    if set(extra_lists) & set(lists):
+        raise ValueError(f"extra_lists {sorted(extra_lists)} clash with the metadata's own names")
+    t = to_device({**lists, **extra_lists}, device)
     num_seqs = len(batch.seqs)
     query_lens = t["query_lens"]
     query_start = torch.zeros(num_seqs + 1, dtype=torch.int64, device=device)
@@ -138,7 +166,7 @@ def build_device_metadata(batch: ForwardBatch, block_size: int, device: torch.de
         last_token_index=query_start[1:] - 1,
         query_lens_cpu=lists["query_lens"],
         seq_lens_cpu=lists["seq_lens"],
-        extra={},
+        extra={k: t[k] for k in extra_lists},
     )
 
 
@@ -312,16 +340,23 @@ def write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache
 
 
 class FlexAttentionBackend(AttentionBackend):
-    """One attention launch per layer for a whole mixed batch; compiled FlexAttention on CUDA."""
+    """One attention launch per layer for a whole mixed batch: the Triton varlen kernel on CUDA with
+    triton, compiled FlexAttention on CUDA without it, eager FlexAttention elsewhere."""
 
     name = "flex"
 
-    def __init__(self, compile: bool | None = None, decode_kernel: str = "auto") -> None:
+    def __init__(self, compile: bool | None = None, decode_kernel: str = "auto",
+                 packed_kernel: str = "auto") -> None:
         if decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"decode_kernel must be one of {', '.join(DECODE_KERNELS)}, "
                              f"got {decode_kernel!r}")
+        if packed_kernel not in PACKED_KERNELS:
+            raise ValueError(f"packed_kernel must be one of {', '.join(PACKED_KERNELS)}, "
+                             f"got {packed_kernel!r}")
         self.compile = compile  # None: compile on CUDA only
         self.decode_kernel = decode_kernel  # "auto": triton where kernels.use_triton(q), else dense
+        self.packed_kernel = packed_kernel  # "auto": triton where kernels.use_triton(q), else flex
+        self._group = 1  # GQA group of the last packed forward: picks the next prepare's tile size
         self._flex: dict[Any, Any] = {}
         self.fallback_reason: str | None = None  # set if flex failed here: packed steps use torch_ref
 
@@ -346,6 +381,14 @@ class FlexAttentionBackend(AttentionBackend):
             return "triton" if kernels.use_triton(q) else "dense"
         return self.decode_kernel
 
+    def packed_kernel_for(self, t: torch.Tensor) -> str:
+        """The kernel the packed (mixed) path runs for tensors like t: "triton" (paged_varlen_attention)
+        or "flex". Triton needs `kernels.use_triton(t)`: a CPU, a missing triton or kernels turned off
+        after a failed self-check all keep FlexAttention, whatever packed_kernel says."""
+        if self.packed_kernel != "flex" and kernels.use_triton(t):
+            return "triton"
+        return "flex"
+
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 plan: DecodePlan) -> torch.Tensor:
         if plan.fused:  # the opt-in compiled variant wins over decode_kernel
@@ -357,14 +400,31 @@ class FlexAttentionBackend(AttentionBackend):
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, plan.ctx)
 
     def prepare(self, batch: ForwardBatch, block_size: int, device: torch.device) -> AttentionMetadata:
-        """Metadata for one forward: the dense decode plan for decode-only batches, else the flex plan."""
+        """Metadata for one forward: the dense decode plan for decode-only batches, else the Triton
+        kernel's query tiles (packed_kernel_for says "triton") or the flex plan."""
         ctx = dense_decode_capacity(batch, block_size)
         if ctx is not None:
             meta = build_device_metadata(batch, block_size, device, width=ctx // block_size)
             meta.extra["decode"] = DecodePlan(ctx=ctx, block_size=block_size)
             return meta
+        if self.packed_kernel_for(torch.empty(0, device=device)) == "triton":
+            return self._prepare_varlen(batch, block_size, device)
         meta = build_device_metadata(batch, block_size, device)
         meta.extra["flex"] = build_flex_plan(meta, block_size)
+        return meta
+
+    def _prepare_varlen(self, batch: ForwardBatch, block_size: int,
+                        device: torch.device) -> AttentionMetadata:
+        """Metadata plus the Triton kernel's query tiles, all in one H2D copy (no FlexPlan, no BlockMask)."""
+        from mixserve.kernels.varlen_attention import build_tiles, default_block_m  # imports triton
+
+        query_lens = [len(s.tokens) for s in batch.seqs]
+        block_m = default_block_m(self._group)
+        tile_seq, tile_start = build_tiles(query_lens, block_m)
+        meta = build_device_metadata(batch, block_size, device,
+                                     extra_lists={"tile_seq": tile_seq, "tile_start": tile_start})
+        meta.extra["varlen"] = VarlenPlan(query_lens, block_m, meta.extra.pop("tile_seq"),
+                                          meta.extra.pop("tile_start"))
         return meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -374,6 +434,9 @@ class FlexAttentionBackend(AttentionBackend):
         decode = meta.extra.get("decode")
         if decode is not None:
             return self._decode(q, k_cache, v_cache, meta, decode)
+        varlen = meta.extra.get("varlen")
+        if varlen is not None:
+            return self._varlen_forward(q, k_cache, v_cache, meta, varlen)
         if self.fallback_reason is None:
             try:
                 return self._flex_forward(q, k_cache, v_cache, meta.extra["flex"])
@@ -382,6 +445,24 @@ class FlexAttentionBackend(AttentionBackend):
                 warnings.warn(f"FlexAttention failed, mixed steps fall back to per-sequence SDPA: "
                               f"{self.fallback_reason}", RuntimeWarning, stacklevel=2)
         return sequence_attention(q, k_cache, v_cache, meta)
+
+    def _varlen_forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, plan: VarlenPlan) -> torch.Tensor:
+        from mixserve.kernels.varlen_attention import (  # imports triton: CUDA machines only
+            build_tiles,
+            default_block_m,
+            paged_varlen_attention,
+        )
+
+        group = q.shape[1] // k_cache.shape[2]
+        block_m = default_block_m(group)
+        if plan.block_m != block_m:  # prepare guessed another group (first mixed step): retile once
+            tile_seq, tile_start = build_tiles(plan.query_lens, block_m)
+            tiles = torch.tensor([tile_seq, tile_start], dtype=torch.int64).to(q.device)
+            plan.block_m, plan.tile_seq, plan.tile_start = block_m, tiles[0], tiles[1]
+            self._group = group
+        return paged_varlen_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                      meta.query_start, plan.tile_seq, plan.tile_start, plan.block_m)
 
     def _flex_forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       plan: FlexPlan) -> torch.Tensor:
