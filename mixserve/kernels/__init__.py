@@ -8,6 +8,8 @@ activations, cache writes and a gathered attention. These kernels fuse each of t
   rope.py              rotary_qk_ (RoPE on q and k in place, cos/sin read at each token's position)
   paged_attention.py   store_kv (K and V into the paged cache), paged_decode_attention (flash-decoding
                        over block tables: K/V read once, straight from the cache)
+  varlen_attention.py  paged_varlen_attention (a whole mixed batch, decodes and prefill chunks, in one
+                       launch: causal tiles of one sequence's queries over its pages, no gather, no padding)
 
 Each kernel module imports triton at module level, so import them only after `use_triton(tensor)` said
 yes. The model calls them only for CUDA tensors; the CPU path stays pure PyTorch. Tests run every kernel
