@@ -81,7 +81,7 @@ class VarlenPlan:
     """Per-forward state of the packed path's Triton kernel: query tiles of block_m tokens of one sequence.
 
     block_m is picked for the model's GQA group, which `prepare` does not see: it uses the group of the
-    backend's last forward, and `tiles_for` rebuilds the tiles (one more H2D copy) when that guess was
+X (one more H2D copy) when that guess was
     wrong, which happens only on the first mixed step of a model.
     """
 
