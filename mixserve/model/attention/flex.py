@@ -81,8 +81,8 @@ class VarlenPlan:
     """Per-forward state of the packed path's Triton kernel: query tiles of block_m tokens of one sequence.
 
     block_m is picked for the model's GQA group, which `prepare` does not see: it uses the group of the
-X (one more H2D copy) when that guess was
-    wrong, which happens only on the first mixed step of a model.
+    backend's last packed forward, and `_varlen_forward` rebuilds the tiles (one more H2D copy) when that
+    guess was wrong, which happens only on the first mixed step of a model.
     """
 
     query_lens: list[int]  # host copy, to rebuild the tiles for another block_m
