@@ -69,6 +69,7 @@ class ModelRunner:
         self.model_name = model_name
         self.path = path
         self.attention = attention
+        attention.configure(self.config.num_heads, self.config.num_kv_heads)
         on_cuda = self.device.type == "cuda"
         # On CUDA one more block than the scheduler knows: the scratch block decode-graph padding rows write.
         self.kv_cache = KVCache(self.config, num_blocks + int(on_cuda), block_size, self.dtype, self.device)

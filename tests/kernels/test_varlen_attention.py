@@ -145,6 +145,13 @@ def test_backend_packed_path_runs_the_triton_kernel(launches: list[int]):
     torch.testing.assert_close(again, want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_configured_backend_tiles_for_its_group_from_the_first_step(launches: list[int]):
+    backend = FlexAttentionBackend()
+    backend.configure(num_heads=8, num_kv_heads=2)  # as ModelRunner does
+    meta = backend.prepare(mixed_batch(), 4, DEVICE)
+    assert meta.extra["varlen"].block_m == va.default_block_m(4)
+
+
 def test_backend_tiles_ride_in_the_one_h2d_copy(launches: list[int]):
     backend = FlexAttentionBackend()
     meta = backend.prepare(mixed_batch(), 4, DEVICE)

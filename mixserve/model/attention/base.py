@@ -77,6 +77,10 @@ class AttentionBackend(ABC):
 
     name: str = "base"
 
+    def configure(self, num_heads: int, num_kv_heads: int) -> None:
+        """Told once by the runner the model's head counts, before any prepare (default: not needed)."""
+        return None
+
     def prepare(self, batch: ForwardBatch, block_size: int, device: torch.device) -> AttentionMetadata:
         """Per-forward metadata; backends may add to `extra`."""
         return build_metadata(batch, block_size, device)

@@ -80,9 +80,9 @@ class FlexPlan:
 class VarlenPlan:
     """Per-forward state of the packed path's Triton kernel: query tiles of block_m tokens of one sequence.
 
-    block_m is picked for the model's GQA group, which `prepare` does not see: it uses the group of the
-    backend's last packed forward, and `_varlen_forward` rebuilds the tiles (one more H2D copy) when that
-    guess was wrong, which happens only on the first mixed step of a model.
+    block_m is picked for the model's GQA group, which the runner passes to `configure`; a backend used
+    without it learns the group from its first packed forward, where `_varlen_forward` rebuilds the tiles
+    once (one more H2D copy).
     """
 
     query_lens: list[int]  # host copy, to rebuild the tiles for another block_m
@@ -356,9 +356,13 @@ class FlexAttentionBackend(AttentionBackend):
         self.compile = compile  # None: compile on CUDA only
         self.decode_kernel = decode_kernel  # "auto": triton where kernels.use_triton(q), else dense
         self.packed_kernel = packed_kernel  # "auto": triton where kernels.use_triton(q), else flex
-        self._group = 1  # GQA group of the last packed forward: picks the next prepare's tile size
+        self._group = 1  # the model's GQA group (configure): picks prepare's query tile size
         self._flex: dict[Any, Any] = {}
         self.fallback_reason: str | None = None  # set if flex failed here: packed steps use torch_ref
+
+    def configure(self, num_heads: int, num_kv_heads: int) -> None:
+        """The GQA group sizes the packed kernel's query tiles, which prepare builds on the host."""
+        self._group = max(1, num_heads // max(1, num_kv_heads))
 
     def _flex_fn(self, device: torch.device):
         # Compiled on CUDA (one fused kernel); eager elsewhere (materialises scores: small shapes only).
