@@ -249,7 +249,13 @@ def attention_note(runner) -> str:
     graphs = "on" if getattr(runner, "graphs", None) is not None else "off"
     if reason:
         return f"flex FAILED, fell back to torch_ref: {reason}; graphs {graphs}"
-    return f"attention={runner.attention.name}, graphs {graphs}"
+    attention = runner.attention
+    kernels = ""
+    if hasattr(attention, "packed_kernel_for"):
+        probe = torch.empty(0, device=runner.device)
+        packed, decode = attention.packed_kernel_for(probe), attention.decode_kernel_for(probe)
+        kernels = f" (packed {packed}, decode {decode})"
+    return f"attention={attention.name}{kernels}, graphs {graphs}"
 
 
 # ---- 1. correctness --------------------------------------------------------------------------------
@@ -452,7 +458,9 @@ def prefill(bench: Bench) -> None:
 
     runner, cfg = bench.runner, bench.shape
     prompt = 4096 if not bench.tiny else 256
-    chunks = ((512, True), (2048, True), (512, False)) if not bench.tiny else ((32, True), (128, True))
+    # (chunk, Triton kernels on, packed attention kernel): the last two rows take one piece away each.
+    chunks = ([(512, True, "auto"), (2048, True, "auto"), (512, True, "flex"), (512, False, "auto")]
+              if not bench.tiny else [(32, True, "auto"), (128, True, "auto")])
     table = list(range(-(-prompt // BLOCK_SIZE)))
     gen = torch.Generator().manual_seed(2)
     tokens = torch.randint(3, cfg["vocab_size"], (prompt,), generator=gen).tolist()
@@ -467,26 +475,35 @@ def prefill(bench: Bench) -> None:
         return (2 * layer_params * tokens_in + 2 * embed * num_seqs * steps
                 + 2 * 2 * layers * hidden * num_seqs * seq_len * seq_len / 2)
 
-    def report(name: str, num_tokens: int, elapsed: float, flops: float, kernels_on: bool) -> None:
+    def report(name: str, num_tokens: int, elapsed: float, flops: float, note: str) -> None:
         floor = flops / (bench.matmul_tflops * 1e12)
         row(name, f"{num_tokens / elapsed:,.0f} tok/s", f"matmul floor {num_tokens / floor:,.0f} tok/s",
-            f"{flops / elapsed / 1e12:,.0f} TFLOP/s = {floor / elapsed:.0%} of measured matmul; "
-            f"kernels {'on' if kernels_on else 'off'}; {attention_note(runner)}")
+            f"{flops / elapsed / 1e12:,.0f} TFLOP/s = {floor / elapsed:.0%} of measured matmul; {note}")
 
-    for chunk, kernels_on in chunks:
+    attention = runner.attention
+    default_packed = getattr(attention, "packed_kernel", None)
+    for chunk, kernels_on, packed in chunks:
         def run(chunk: int = chunk) -> None:
             for start in range(0, prompt, chunk):
                 batch = ForwardBatch([ForwardSeq("p", tokens[start:start + chunk], start, table)])
                 runner.forward(batch).argmax(-1).tolist()
 
-        with triton_kernels(kernels_on):
-            run()  # compiles stay out of the timed run
-            bench.sync()
-            t0 = time.perf_counter()
-            run()
-            elapsed = time.perf_counter() - t0
+        if default_packed is not None:
+            attention.packed_kernel = packed
+        try:
+            with triton_kernels(kernels_on):
+                run()  # compiles stay out of the timed run
+                bench.sync()
+                t0 = time.perf_counter()
+                run()
+                elapsed = time.perf_counter() - t0
+                note_kernels = attention_note(runner)
+        finally:
+            if default_packed is not None:
+                attention.packed_kernel = default_packed
         flops = flops_of(prompt, 1, prompt // chunk)
-        report(f"prefill chunk {chunk} ({prompt} tokens)", prompt, elapsed, flops, kernels_on)
+        report(f"prefill chunk {chunk} ({prompt} tokens)", prompt, elapsed, flops,
+               f"kernels {'on' if kernels_on else 'off'}; {note_kernels}")
 
     num_seqs, length = (16, 512) if not bench.tiny else (4, 32)
     per_seq = -(-length // BLOCK_SIZE)
@@ -494,7 +511,7 @@ def prefill(bench: Bench) -> None:
                                       list(range(i * per_seq, (i + 1) * per_seq))) for i in range(num_seqs)])
     step = time_steps(bench, lambda: runner.forward(packed).argmax(-1).tolist(), 5)
     report(f"prefill step {num_seqs} x {length} (one step)", num_seqs * length, step,
-           flops_of(length, num_seqs, 1), True)
+           flops_of(length, num_seqs, 1), attention_note(runner))
 
 
 # ---- 4. end to end ---------------------------------------------------------------------------------
