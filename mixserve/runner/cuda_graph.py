@@ -3,7 +3,9 @@
 A decode step of a small model is launch-bound (hundreds of small kernels), so replaying one captured graph
 saves most of its time. Batch sizes are padded up a ladder (1, 2, 4, ... max_num_seqs) and contexts up to
 a capacity bucket, so a few graphs serve every step; padding rows point at a scratch KV block that no
-request owns. Mixed steps (any prefill chunk) run eagerly.
+request owns. Mixed steps (any prefill chunk) run eagerly. With the paged Triton decode kernel
+(`paged=True`), which reads each sequence only up to its own length, capacities are powers of two: a
+handful of graphs per batch size instead of sixteen per octave of context.
 
 The graph reads its inputs from one static int64 buffer on the device, filled by one non-blocking copy
 from pinned memory per step: no host synchronisation besides the caller reading the sampled tokens.
@@ -24,6 +26,7 @@ from mixserve.model.attention.flex import (
     FlexAttentionBackend,
     context_capacity,
     dense_decode_capacity,
+    is_decode_only,
 )
 
 DEFAULT_MAX_CTX = 4096  # longer decodes run eagerly: the dense decode path reads ctx slots per row
@@ -43,6 +46,17 @@ def graph_ladder(max_num_seqs: int) -> list[int]:
 def graph_size(num_seqs: int, ladder: list[int]) -> int | None:
     """The smallest rung that holds num_seqs rows, or None when the batch is too large for any graph."""
     return next((size for size in ladder if size >= num_seqs), None)
+
+
+def paged_capacity(max_seq_len: int, block_size: int) -> int:
+    """Context capacity for graphs whose decode attention is the paged Triton kernel: a power of two.
+
+    That kernel reads each sequence only up to its own length (on the device), so a larger capacity
+    costs only block-table columns and early-exiting programs, not K/V reads; powers of two mean a
+    handful of capacities, so few graphs are captured (and few captures stall a serving engine).
+    """
+    n = max(max_seq_len, block_size, 1)
+    return -(-(1 << (n - 1).bit_length()) // block_size) * block_size
 
 
 @dataclass(frozen=True)
@@ -104,14 +118,18 @@ class DecodeGraphs:
     """
 
     def __init__(self, model_fn: ModelFn, *, block_size: int, max_num_seqs: int, scratch_block: int,
-                 device: torch.device, max_ctx: int = DEFAULT_MAX_CTX, fused_attention: bool = False) -> None:
+                 device: torch.device, max_ctx: int = DEFAULT_MAX_CTX, fused_attention: bool = False,
+                 paged: bool = False) -> None:
         self.model_fn = model_fn
+        # paged: the model_fn's decode attention is the paged Triton kernel (it reads only up to each
+        # length), so contexts are bucketed by powers of two and any decode-only batch may use a graph.
+        self.paged = paged
         self.fused_attention = fused_attention  # the compiled, fused decode attention (opt-in)
         self.block_size = block_size
         self.ladder = graph_ladder(max_num_seqs)
         self.scratch_block = scratch_block
         self.device = torch.device(device)
-        self.max_ctx = context_capacity(max_ctx, block_size)
+        self.max_ctx = (paged_capacity if paged else context_capacity)(max_ctx, block_size)
         width = self.max_ctx // block_size
         self.flat = torch.zeros(self.ladder[-1] * (4 + width), dtype=torch.int64, device=self.device)
         self.graphs: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor]] = {}
@@ -127,7 +145,11 @@ class DecodeGraphs:
 
     def key(self, batch: ForwardBatch) -> tuple[int, int] | None:
         """(padded size, context capacity) for a batch a graph can run, else None (run it eagerly)."""
-        ctx = dense_decode_capacity(batch, self.block_size)
+        if self.paged:
+            ctx = (paged_capacity(max(s.start + 1 for s in batch.seqs), self.block_size)
+                   if is_decode_only(batch) else None)
+        else:
+            ctx = dense_decode_capacity(batch, self.block_size)
         size = graph_size(len(batch.seqs), self.ladder)
         if ctx is None or size is None or ctx > self.max_ctx:
             return None
@@ -192,7 +214,8 @@ class DecodeGraphs:
 
     def capture_all(self, ctxs: list[int]) -> None:
         """Capture every rung for each context capacity, largest first (smaller ones reuse its memory)."""
-        for ctx in sorted({context_capacity(c, self.block_size) for c in ctxs}, reverse=True):
+        capacity = paged_capacity if self.paged else context_capacity
+        for ctx in sorted({capacity(c, self.block_size) for c in ctxs}, reverse=True):
             for size in reversed(self.ladder):
                 self.capture(size, ctx)
 

@@ -82,11 +82,14 @@ class ModelRunner:
             self.kernels_off_reason = check_or_disable(self.device, self.dtype)
         self.graphs = None  # DecodeGraphs (runner/cuda_graph.py): decode-only steps replay CUDA graphs
         if cuda_graphs and on_cuda:
+            from mixserve.kernels import use_triton
             from mixserve.runner.cuda_graph import DecodeGraphs, decode_model_fn
 
+            # With the Triton kernels on (self-check passed), graphs run the paged decode kernel.
             self.graphs = DecodeGraphs(decode_model_fn(self.model, self.kv_cache.layers),
                                        block_size=block_size, max_num_seqs=max_num_seqs,
-                                       scratch_block=num_blocks, device=self.device)
+                                       scratch_block=num_blocks, device=self.device,
+                                       paged=use_triton(torch.empty(0, device=self.device)))
 
     @classmethod
     def from_pretrained(

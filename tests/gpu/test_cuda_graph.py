@@ -13,6 +13,7 @@ from mixserve.runner.cuda_graph import (
     decode_model_fn,
     graph_ladder,
     graph_size,
+    paged_capacity,
 )
 from mixserve.runner.model_runner import ModelRunner
 
@@ -57,8 +58,27 @@ def test_only_small_decode_only_batches_have_a_key():
     assert graphs.key(ForwardBatch([ForwardSeq("c", [1], 100, list(range(26)))])) is None  # past max_ctx
 
 
-@pytest.mark.parametrize("fused, triton", [(False, False), (True, False), (False, True)])
-def test_static_buffer_decode_matches_the_eager_runner(tiny_model_dir, fused, triton, monkeypatch):
+def test_paged_capacity_is_a_power_of_two_in_whole_blocks():
+    assert [paged_capacity(n, 16) for n in (1, 16, 17, 513, 1024, 1025)] == [16, 16, 32, 1024, 1024, 2048]
+    assert paged_capacity(100, 48) == 144  # 128 rounded up to whole blocks
+
+
+def test_paged_graphs_take_any_decode_only_batch():
+    def make(paged: bool) -> DecodeGraphs:
+        return DecodeGraphs(lambda ids, meta: ids, block_size=BLOCK_SIZE, max_num_seqs=4,
+                            scratch_block=SCRATCH, device=torch.device("cpu"), max_ctx=64, paged=paged)
+
+    long, short = ForwardSeq("a", [1], 40, list(range(11))), ForwardSeq("b", [1], 2, [11])
+    lopsided = ForwardBatch([long, short, short])  # 44 of 3 x 44 slots: the dense path goes eager
+    assert make(False).key(lopsided) is None
+    assert make(True).key(lopsided) == (4, 64)
+    assert make(True).key(ForwardBatch([short])) == (1, 4)
+    assert make(True).key(ForwardBatch([short, ForwardSeq("c", [1, 2], 0, [12])])) is None  # a chunk
+
+
+@pytest.mark.parametrize("fused, triton, paged", [(False, False, False), (True, False, False),
+                                                  (False, True, False), (False, True, True)])
+def test_static_buffer_decode_matches_the_eager_runner(tiny_model_dir, fused, triton, paged, monkeypatch):
     """The graph path (padded rows on the scratch block) equals the eager runner; with `triton` the graph
     path runs every Triton kernel (norms, RoPE, store_kv, paged decode) through the interpreter."""
     runner = ModelRunner.from_pretrained(str(tiny_model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
@@ -74,7 +94,7 @@ def test_static_buffer_decode_matches_the_eager_runner(tiny_model_dir, fused, tr
         v.copy_(v0)
     graphs = DecodeGraphs(decode_model_fn(runner.model, runner.kv_cache.layers), block_size=BLOCK_SIZE,
                           max_num_seqs=8, scratch_block=SCRATCH, device=runner.device, max_ctx=64,
-                          fused_attention=fused)
+                          fused_attention=fused, paged=paged)
     if triton:  # as on CUDA: the model's fused path and the backend's Triton decode and cache writes
         from mixserve import kernels
 
@@ -83,5 +103,6 @@ def test_static_buffer_decode_matches_the_eager_runner(tiny_model_dir, fused, tr
     graphed = graphs.run(decodes)  # 3 rows padded to 4
     assert graphed.shape == eager.shape
     torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-4)
-    assert list(graphs.graphs) == [(4, 8)]
-    assert list(graphs._metas) == [(4, 8)]  # kept alive: replays read its tensors
+    key = (4, 8)  # contexts 8, 4, 3 (+1): capacity 8 both ways
+    assert list(graphs.graphs) == [key]
+    assert list(graphs._metas) == [key]  # kept alive: replays read its tensors
