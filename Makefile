@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast lint serve bench bench-full bench-offline bench-forward clean
+.PHONY: install test test-fast lint serve bench bench-full bench-offline bench-forward bench-engine clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -46,6 +46,9 @@ bench-offline: $(STAMP)
 
 bench-forward: $(STAMP)
 	$(BIN)/python bench/forward.py
+
+bench-engine: $(STAMP)
+	$(BIN)/python bench/engine_overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
