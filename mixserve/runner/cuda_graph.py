@@ -21,13 +21,13 @@ import torch
 
 from mixserve.core.batch import ForwardBatch
 from mixserve.model.attention.base import AttentionMetadata
-from mixserve.model.attention.flex import (
+from mixserve.model.attention.dense_decode import (
     DecodePlan,
-    FlexAttentionBackend,
     context_capacity,
     dense_decode_capacity,
     is_decode_only,
 )
+from mixserve.model.attention.flex import FlexAttentionBackend
 
 DEFAULT_MAX_CTX = 4096  # longer decodes run eagerly: the dense decode path reads ctx slots per row
 

@@ -8,18 +8,15 @@ import pytest
 import torch
 
 from mixserve.core import ForwardBatch, ForwardSeq
-from mixserve.model.attention.flex import (
-    FLEX_BLOCK,
-    FlexAttentionBackend,
-    block_ranges,
-    bucket,
+from mixserve.model.attention.dense_decode import (
     context_capacity,
     decode_attention,
     decode_attention_fused,
     dense_decode_capacity,
-    host_inputs,
     is_decode_only,
 )
+from mixserve.model.attention.device_metadata import host_inputs
+from mixserve.model.attention.flex import FLEX_BLOCK, FlexAttentionBackend, block_ranges, bucket
 from mixserve.model.attention.torch_ref import TorchAttention
 
 BLOCK_SIZE = 4

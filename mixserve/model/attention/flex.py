@@ -9,23 +9,21 @@ Decode-only steps (one token per sequence) take a decode path instead, whose lau
 (S, C) for a context capacity C, so a CUDA graph can capture it (mixserve/runner/cuda_graph.py). Where
 `mixserve.kernels.use_triton(q)` (CUDA tensors, triton installed and enabled) that path is one Triton
 flash-decoding kernel reading K/V in place through the block tables (mixserve/kernels/paged_attention.py);
-elsewhere, or with decode_kernel="dense", it is the dense PyTorch path: K/V gathered as (S, C, Hkv, D),
-two grouped matmuls and a length mask. The cache write likewise is one Triton launch (store_kv) where
-use_triton says so, two index_copy_ elsewhere.
+elsewhere, or with decode_kernel="dense", it is the dense PyTorch path (dense_decode.py). The cache
+write likewise is one Triton launch (store_kv) where use_triton says so, two index_copy_ elsewhere.
 
 Mixed steps on CUDA with triton (`use_triton`, packed_kernel "auto" or "triton") skip the gather and the
 BlockMask: one Triton kernel per layer (mixserve/kernels/varlen_attention.py) reads K/V straight from the
 cache over query tiles of one sequence each, built on the host in `prepare` (no FlexAttention compiles of
 new padded shapes in the middle of serving). FlexAttention stays the packed path elsewhere.
 
-Everything is built once per forward in `prepare` (no host sync: one pinned H2D copy, then device ops);
+Everything is built once per forward in `prepare` (no host sync: one pinned H2D copy, device_metadata.py);
 `forward` per layer only writes the cache, gathers and attends.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +37,13 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from mixserve import kernels
 from mixserve.core import ForwardBatch
 from mixserve.model.attention.base import AttentionBackend, AttentionMetadata
+from mixserve.model.attention.dense_decode import (
+    DecodePlan,
+    decode_attention,
+    decode_attention_fused,
+    dense_decode_capacity,
+)
+from mixserve.model.attention.device_metadata import build_device_metadata
 
 FLEX_BLOCK = 128  # FlexAttention's sparse block size (rows and columns of the block mask)
 DECODE_KERNELS = ("auto", "triton", "dense")  # FlexAttentionBackend(decode_kernel=...): see decode_kernel_for
@@ -51,18 +56,6 @@ def bucket(n: int, minimum: int = FLEX_BLOCK) -> int:
     if n <= 4096:
         return 1 << (n - 1).bit_length()
     return -(-n // 4096) * 4096
-
-
-def context_capacity(max_seq_len: int, block_size: int) -> int:
-    """Context capacity C of the dense decode path: whole blocks, at most ~1/16 over the longest context.
-
-    Steps of a sixteenth of the enclosing power of two keep the wasted reads small while contexts grow
-    through only a few capacities (each one a CUDA graph per batch size).
-    """
-    n = max(max_seq_len, 1)
-    step = max(1, (1 << (n - 1).bit_length()) // 16)
-    step = -(-step // block_size) * block_size
-    return -(-n // step) * step
 
 
 @dataclass
@@ -89,85 +82,6 @@ class VarlenPlan:
     block_m: int
     tile_seq: torch.Tensor  # (tiles,) int64: sequence of each tile
     tile_start: torch.Tensor  # (tiles,) int64: first packed query row of each tile
-
-
-@dataclass
-class DecodePlan:
-    """Per-forward state of the dense decode path: meta.block_tables has ctx // block_size columns."""
-
-    ctx: int  # context capacity C (multiple of block_size)
-    block_size: int
-    fused: bool = False  # decode_attention_fused, compiled on CUDA (opt-in, measured by bench/gpu_bench.py)
-
-
-def host_inputs(batch: ForwardBatch, block_size: int, width: int | None = None) -> dict[str, list[int]]:
-    """The batch as flat int lists (positions, slots, lengths, block tables padded to `width` columns)."""
-    positions: list[int] = []
-    slots: list[int] = []
-    query_lens: list[int] = []
-    seq_lens: list[int] = []
-    for s in batch.seqs:
-        n = len(s.tokens)
-        table, span = s.block_table, range(s.start, s.start + n)
-        positions.extend(span)
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
-        query_lens.append(n)
-        seq_lens.append(s.start + n)
-    need = max(-(-n // block_size) for n in seq_lens) if seq_lens else 1
-    width = max(width or 0, need, 1)
-    tables: list[int] = []
-    for s in batch.seqs:
-        row = list(s.block_table[:width])
-        tables.extend(row + [0] * (width - len(row)))
-    return {"positions": positions, "slot_mapping": slots, "query_lens": query_lens,
-            "seq_lens": seq_lens, "block_tables": tables, "width": [width]}
-
-
-def to_device(lists: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
-    """One H2D copy for all the ints (pinned and non-blocking on CUDA, so the host never waits)."""
-    names = [k for k in lists if k != "width"]
-    flat = [x for k in names for x in lists[k]]
-    host = torch.tensor(flat, dtype=torch.int64)
-    if device.type == "cuda":
-        dev = host.pin_memory().to(device, non_blocking=True)
-    else:
-        dev = host.to(device)
-    out: dict[str, torch.Tensor] = {}
-    offset = 0
-    for k in names:
-        n = len(lists[k])
-        out[k] = dev[offset:offset + n]
-        offset += n
-    return out
-
-
-def build_device_metadata(batch: ForwardBatch, block_size: int, device: torch.device,
-                          width: int | None = None,
-                          extra_lists: dict[str, list[int]] | None = None) -> AttentionMetadata:
-    """The shared AttentionMetadata fields of DESIGN's seam (positions, slots, lengths, tables).
-
-    extra_lists ride along in the same single H2D copy; their device tensors land in meta.extra.
-    """
-    lists = host_inputs(batch, block_size, width)
-    extra_lists = extra_lists or {}
-    if set(extra_lists) & set(lists):
-        raise ValueError(f"extra_lists {sorted(extra_lists)} clash with the metadata's own names")
-    t = to_device({**lists, **extra_lists}, device)
-    num_seqs = len(batch.seqs)
-    query_lens = t["query_lens"]
-    query_start = torch.zeros(num_seqs + 1, dtype=torch.int64, device=device)
-    torch.cumsum(query_lens, 0, out=query_start[1:])
-    return AttentionMetadata(
-        positions=t["positions"],
-        slot_mapping=t["slot_mapping"],
-        query_start=query_start,
-        seq_lens=t["seq_lens"],
-        block_tables=t["block_tables"].view(num_seqs, lists["width"][0]),
-        last_token_index=query_start[1:] - 1,
-        query_lens_cpu=lists["query_lens"],
-        seq_lens_cpu=lists["seq_lens"],
-        extra={k: t[k] for k in extra_lists},
-    )
 
 
 def _from_kv_blocks_kwargs() -> dict[str, Any]:
@@ -236,72 +150,6 @@ def block_ranges(q_seq: torch.Tensor, kv_seq: torch.Tensor, num_seqs: int) -> to
     blocks = (k_min[None, :] <= q_max[:, None]) & (k_max[None, :] >= q_min[:, None])
     blocks[:, 0] = True  # padded query rows attend KV entry 0
     return blocks
-
-
-def is_decode_only(batch: ForwardBatch) -> bool:
-    """True when every sequence is a single-token decode."""
-    return bool(batch.seqs) and all(len(s.tokens) == 1 for s in batch.seqs)
-
-
-def dense_decode_capacity(batch: ForwardBatch, block_size: int) -> int | None:
-    """Context capacity for the dense decode path, or None when the batch should use the packed path.
-
-    The dense path reads ctx slots per sequence, so it is taken only for decode-only batches whose
-    contexts fill at least half of S x ctx (a mix of one long and many short contexts goes packed).
-    """
-    if not is_decode_only(batch):
-        return None
-    seq_lens = [s.start + 1 for s in batch.seqs]
-    ctx = context_capacity(max(seq_lens), block_size)
-    return ctx if 2 * sum(seq_lens) >= len(seq_lens) * ctx else None
-
-
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, ctx: int) -> torch.Tensor:
-    """Dense decode attention: q (S, Hq, D) against each sequence's first ctx cache slots, masked to seq_lens.
-
-    Static shapes for a given (S, ctx): safe inside a CUDA graph. K/V are gathered once, straight into
-    (Hkv, S, C, D), so both matmuls read them in place; GQA groups the query heads of each KV head.
-    """
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    table = block_tables[:, : ctx // block_size].reshape(-1)
-    batch = num_kv_heads * num_seqs
-    k = torch.index_select(k_cache.permute(2, 0, 1, 3), 1, table).view(batch, ctx, head_dim)
-    v = torch.index_select(v_cache.permute(2, 0, 1, 3), 1, table).view(batch, ctx, head_dim)
-    qb = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).reshape(batch, group, head_dim)
-    scores = torch.bmm(qb.to(k.dtype), k.transpose(1, 2)).float() * (1.0 / math.sqrt(head_dim))
-    visible = torch.arange(ctx, device=q.device)[None, :] < seq_lens[:, None]  # (S, C)
-    scores = scores.view(num_kv_heads, num_seqs, group, ctx).masked_fill(~visible[None, :, None, :],
-                                                                          float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(batch, group, ctx)
-    out = torch.bmm(probs, v).view(num_kv_heads, num_seqs, group, head_dim).transpose(0, 1)
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
-
-
-def decode_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, ctx: int) -> torch.Tensor:
-    """decode_attention written as products and sums over cache entries read through the block table.
-
-    Under torch.compile each sum becomes one reduction kernel that loads K (then V) straight from the
-    paged cache: K/V are read once, no gathered copy. Run eagerly it materialises (S, Hkv, G, C, D).
-    """
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    pos = torch.arange(ctx, device=q.device)
-    blocks = block_tables[:, pos // block_size]  # (S, C)
-    offsets = (pos % block_size)[None, :].expand(num_seqs, ctx)
-    k = k_cache[blocks, offsets]  # (S, C, Hkv, D): an indexing the compiler fuses into its consumer
-    v = v_cache[blocks, offsets]
-    qg = q.view(num_seqs, 1, num_kv_heads, group, head_dim).float()
-    scores = (qg * k[:, :, :, None, :].float()).sum(-1) * (1.0 / math.sqrt(head_dim))  # (S, C, Hkv, G)
-    visible = pos[None, :] < seq_lens[:, None]
-    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=1)
-    out = (probs[..., None] * v[:, :, :, None, :].float()).sum(1)  # (S, Hkv, G, D)
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

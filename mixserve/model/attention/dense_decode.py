@@ -1,0 +1,103 @@
+"""The dense decode path: decode-only steps as a few batched matmuls over K/V gathered to a capacity.
+
+A decode-only step (one token per sequence) gathers each sequence's first C cache slots for a context
+capacity C, then attends with two grouped matmuls and a length mask. Its shapes depend only on (S, C), so
+a CUDA graph can capture it (mixserve/runner/cuda_graph.py). It is the decode path where the paged Triton
+kernel is not used (no triton, kernels off, or FlexAttentionBackend(decode_kernel="dense")).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mixserve.core import ForwardBatch
+
+
+def context_capacity(max_seq_len: int, block_size: int) -> int:
+    """Context capacity C of the dense decode path: whole blocks, at most ~1/16 over the longest context.
+
+    Steps of a sixteenth of the enclosing power of two keep the wasted reads small while contexts grow
+    through only a few capacities (each one a CUDA graph per batch size).
+    """
+    n = max(max_seq_len, 1)
+    step = max(1, (1 << (n - 1).bit_length()) // 16)
+    step = -(-step // block_size) * block_size
+    return -(-n // step) * step
+
+
+@dataclass
+class DecodePlan:
+    """Per-forward state of the dense decode path: meta.block_tables has ctx // block_size columns."""
+
+    ctx: int  # context capacity C (multiple of block_size)
+    block_size: int
+    fused: bool = False  # decode_attention_fused, compiled on CUDA (opt-in, measured by bench/gpu_bench.py)
+
+
+def is_decode_only(batch: ForwardBatch) -> bool:
+    """True when every sequence is a single-token decode."""
+    return bool(batch.seqs) and all(len(s.tokens) == 1 for s in batch.seqs)
+
+
+def dense_decode_capacity(batch: ForwardBatch, block_size: int) -> int | None:
+    """Context capacity for the dense decode path, or None when the batch should use the packed path.
+
+    The dense path reads ctx slots per sequence, so it is taken only for decode-only batches whose
+    contexts fill at least half of S x ctx (a mix of one long and many short contexts goes packed).
+    """
+    if not is_decode_only(batch):
+        return None
+    seq_lens = [s.start + 1 for s in batch.seqs]
+    ctx = context_capacity(max(seq_lens), block_size)
+    return ctx if 2 * sum(seq_lens) >= len(seq_lens) * ctx else None
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, ctx: int) -> torch.Tensor:
+    """Dense decode attention: q (S, Hq, D) against each sequence's first ctx cache slots, masked to seq_lens.
+
+    Static shapes for a given (S, ctx): safe inside a CUDA graph. K/V are gathered once, straight into
+    (Hkv, S, C, D), so both matmuls read them in place; GQA groups the query heads of each KV head.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    table = block_tables[:, : ctx // block_size].reshape(-1)
+    batch = num_kv_heads * num_seqs
+    k = torch.index_select(k_cache.permute(2, 0, 1, 3), 1, table).view(batch, ctx, head_dim)
+    v = torch.index_select(v_cache.permute(2, 0, 1, 3), 1, table).view(batch, ctx, head_dim)
+    qb = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).reshape(batch, group, head_dim)
+    scores = torch.bmm(qb.to(k.dtype), k.transpose(1, 2)).float() * (1.0 / math.sqrt(head_dim))
+    visible = torch.arange(ctx, device=q.device)[None, :] < seq_lens[:, None]  # (S, C)
+    scores = scores.view(num_kv_heads, num_seqs, group, ctx).masked_fill(~visible[None, :, None, :],
+                                                                          float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(batch, group, ctx)
+    out = torch.bmm(probs, v).view(num_kv_heads, num_seqs, group, head_dim).transpose(0, 1)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def decode_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, ctx: int) -> torch.Tensor:
+    """decode_attention written as products and sums over cache entries read through the block table.
+
+    Under torch.compile each sum becomes one reduction kernel that loads K (then V) straight from the
+    paged cache: K/V are read once, no gathered copy. Run eagerly it materialises (S, Hkv, G, C, D).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    pos = torch.arange(ctx, device=q.device)
+    blocks = block_tables[:, pos // block_size]  # (S, C)
+    offsets = (pos % block_size)[None, :].expand(num_seqs, ctx)
+    k = k_cache[blocks, offsets]  # (S, C, Hkv, D): an indexing the compiler fuses into its consumer
+    v = v_cache[blocks, offsets]
+    qg = q.view(num_seqs, 1, num_kv_heads, group, head_dim).float()
+    scores = (qg * k[:, :, :, None, :].float()).sum(-1) * (1.0 / math.sqrt(head_dim))  # (S, C, Hkv, G)
+    visible = pos[None, :] < seq_lens[:, None]
+    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=1)
+    out = (probs[..., None] * v[:, :, :, None, :].float()).sum(1)  # (S, Hkv, G, D)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
