@@ -27,6 +27,9 @@ import os
 
 import torch
 
+# RMSNorm holds a whole row in one program's registers: wider models keep the eager PyTorch layers.
+NORM_MAX_HIDDEN = 8192
+
 _enabled = os.environ.get("MIXSERVE_TRITON", "1") != "0"
 _importable: bool | None = None
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_HIDDEN = 8192  # one program holds a whole row in registers
+from mixserve.kernels import NORM_MAX_HIDDEN as MAX_HIDDEN  # one program holds a whole row in registers
 
 
 @triton.jit

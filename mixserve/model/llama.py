@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mixserve.kernels import use_triton
+from mixserve.kernels import NORM_MAX_HIDDEN, use_triton
 from mixserve.model.attention.base import AttentionBackend, AttentionMetadata
 from mixserve.model.config import ModelConfig
 from mixserve.model.errors import ModelLoadError
@@ -151,7 +151,7 @@ class LlamaModel(nn.Module):
         On CUDA with triton (`mixserve.kernels.use_triton`) the layers run fused Triton kernels; elsewhere
         eager PyTorch. Either way no host sync, so CUDA graphs can capture it."""
         hidden = F.embedding(input_ids, self.embed)
-        if use_triton(hidden):
+        if use_triton(hidden) and self.config.hidden_size <= NORM_MAX_HIDDEN:
             hidden = self._last_hidden_fused(hidden, meta, kv_caches, attn)
         else:
             hidden = self._last_hidden(hidden, meta, kv_caches, attn)

@@ -198,3 +198,17 @@ def test_cpu_forward_never_imports_triton(tiny_model_dir: Path) -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_model_wider_than_the_norm_kernel_keeps_the_eager_layers(tiny_model_dir: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from mixserve.runner import ModelRunner
+
+    runner = ModelRunner.from_pretrained(str(tiny_model_dir), num_blocks=12, block_size=4, device=DEVICE,
+                                         dtype="float32", attention_backend="torch", cuda_graphs=False)
+    calls: list[int] = []
+    monkeypatch.setattr(llama, "use_triton", lambda t: True)
+    monkeypatch.setattr(llama, "fused_ops", lambda: calls.append(1))
+    monkeypatch.setattr(llama, "NORM_MAX_HIDDEN", runner.config.hidden_size - 1)
+    runner.forward(_two_mixed_steps()[0])
+    assert calls == []  # the eager layers ran: a fused layer would have asked for the kernels
