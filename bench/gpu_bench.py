@@ -26,7 +26,7 @@ Last run, before the kernels (2026-11-30, H200, torch 2.11, commit abb39dd;
   copy 4,247 GB/s, bf16 matmul 780 TFLOP/s):
   correctness, max rel err vs HF bf16: 0.060 (chunks 1, 7, 64; judged since against HF fp32)
   decode ms/step (graph), ctx 512: b1 2.74 (4.7x floor), b16 3.94, b64 6.52 (7.8x), b256 16.1 (10.1x);
-    b64 eager 18.4; opt-in fused/compiled decode attention slower (b64 10.4)
+    b64 eager 18.4; a compiled "fused" decode attention was slower (b64 10.4) and is gone
   prefill tok/s: chunk 512 22,276 (6% of matmul), chunk 2048 47,374 (13%): launch-bound eager steps
   end to end 64 x (512 in, 128 out): 4,036 output tok/s (HF generate_batch not measured in that run)
 """
@@ -410,47 +410,6 @@ def decode(bench: Bench) -> None:
                 f"floor {floor * 1e3:.3f} ms", f"{step / floor:.2f}x floor")
 
 
-def decode_compiled(bench: Bench) -> None:
-    """Optional, last: decode graphs with the compiled fused attention (K/V read once from the paged
-    cache), then also around a torch.compile'd model (fused pointwise kernels)."""
-    from mixserve.runner.cuda_graph import DecodeGraphs, decode_model_fn
-
-    runner = bench.runner
-    graphs = getattr(runner, "graphs", None)
-    if graphs is None:
-        raise RuntimeError("the runner has no decode graphs")
-    ctx = 512
-    wbytes, kv_per_token = weight_bytes(bench), runner.kv_bytes_per_token
-    base = decode_model_fn(runner.model, runner.kv_cache.layers)
-    variants = [("graph + fused attention", base), ("graph + fused attention + compiled model",
-                                                   torch.compile(base, dynamic=True))]
-    for name, fn in variants:
-        if bench.left() < 45:
-            row(f"decode ({name})", "skipped", "", "time guard")
-            continue
-        variant = DecodeGraphs(fn, block_size=BLOCK_SIZE, max_num_seqs=graphs.ladder[-1],
-                               scratch_block=graphs.scratch_block, device=bench.device, fused_attention=True)
-        for b in (64, 256):
-            batch = decode_batch(b, ctx)
-            t0 = time.monotonic()
-            want = runner.forward(batch)
-            got = variant.run(batch)
-            err = float((got - want).norm() / want.norm())
-            for _ in range(3):
-                variant.run(batch).argmax(-1).tolist()
-            warm = time.monotonic() - t0
-            bench.sync()
-            t0 = time.perf_counter()
-            for _ in range(30):
-                variant.run(batch).argmax(-1).tolist()
-            step = (time.perf_counter() - t0) / 30
-            floor = (wbytes + b * (ctx + 1) * kv_per_token) / (bench.copy_gbs * 1e9)
-            row(f"decode b{b} ctx{ctx} ({name})", f"{step * 1e3:.3f} ms/step", f"floor {floor * 1e3:.3f} ms",
-                f"{step / floor:.2f}x floor; rel err vs default {err:.4f}; compile + capture {warm:.0f} s")
-
-
-# ---- 3. prefill ------------------------------------------------------------------------------------
-
 def prefill(bench: Bench) -> None:
     """One 4,096-token prompt in chunks of 512 and 2,048 (kernels on, and off at 512), then one step of
     16 whole 512-token prompts: the prefill step of the end-to-end run."""
@@ -655,8 +614,6 @@ def main() -> None:
     if not args.no_hf:
         guarded("4. e2e HF defaults", bench, 35, lambda b: end_to_end_hf(b, "defaults"))
         guarded("4. e2e HF cuda graphs", bench, 35, lambda b: end_to_end_hf(b, "cuda_graph"))
-    if bench.runner is not None and bench.copy_gbs and not bench.tiny and not bench.small:
-        guarded("2b. decode, fused/compiled (optional)", bench, 60, decode_compiled)
     summary(bench)
     print_table()
 

@@ -118,13 +118,12 @@ class DecodeGraphs:
     """
 
     def __init__(self, model_fn: ModelFn, *, block_size: int, max_num_seqs: int, scratch_block: int,
-                 device: torch.device, max_ctx: int = DEFAULT_MAX_CTX, fused_attention: bool = False,
+                 device: torch.device, max_ctx: int = DEFAULT_MAX_CTX,
                  paged: bool = False) -> None:
         self.model_fn = model_fn
         # paged: the model_fn's decode attention is the paged Triton kernel (it reads only up to each
         # length), so contexts are bucketed by powers of two and any decode-only batch may use a graph.
         self.paged = paged
-        self.fused_attention = fused_attention  # the compiled, fused decode attention (opt-in)
         self.block_size = block_size
         self.ladder = graph_ladder(max_num_seqs)
         self.scratch_block = scratch_block
@@ -166,8 +165,7 @@ class DecodeGraphs:
             last_token_index=rows,
             query_lens_cpu=[1] * layout.size,
             seq_lens_cpu=[1] * layout.size,  # unused by the dense decode path; real lengths live on device
-            extra={"decode": DecodePlan(ctx=layout.width * self.block_size, block_size=self.block_size,
-                                        fused=self.fused_attention)},
+            extra={"decode": DecodePlan(ctx=layout.width * self.block_size, block_size=self.block_size)},
         )
 
     def _write(self, host: list[int]) -> None:

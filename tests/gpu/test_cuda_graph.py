@@ -76,9 +76,8 @@ def test_paged_graphs_take_any_decode_only_batch():
     assert make(True).key(ForwardBatch([short, ForwardSeq("c", [1, 2], 0, [12])])) is None  # a chunk
 
 
-@pytest.mark.parametrize("fused, triton, paged", [(False, False, False), (True, False, False),
-                                                  (False, True, False), (False, True, True)])
-def test_static_buffer_decode_matches_the_eager_runner(tiny_model_dir, fused, triton, paged, monkeypatch):
+@pytest.mark.parametrize("triton, paged", [(False, False), (True, False), (True, True)])
+def test_static_buffer_decode_matches_the_eager_runner(tiny_model_dir, triton, paged, monkeypatch):
     """The graph path (padded rows on the scratch block) equals the eager runner; with `triton` the graph
     path runs every Triton kernel (norms, RoPE, store_kv, paged decode) through the interpreter."""
     runner = ModelRunner.from_pretrained(str(tiny_model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
@@ -94,7 +93,7 @@ def test_static_buffer_decode_matches_the_eager_runner(tiny_model_dir, fused, tr
         v.copy_(v0)
     graphs = DecodeGraphs(decode_model_fn(runner.model, runner.kv_cache.layers), block_size=BLOCK_SIZE,
                           max_num_seqs=8, scratch_block=SCRATCH, device=runner.device, max_ctx=64,
-                          fused_attention=fused, paged=paged)
+                          paged=paged)
     if triton:  # as on CUDA: the model's fused path and the backend's Triton decode and cache writes
         from mixserve import kernels
 

@@ -10,8 +10,6 @@ import torch
 from mixserve.core import ForwardBatch, ForwardSeq
 from mixserve.model.attention.dense_decode import (
     context_capacity,
-    decode_attention,
-    decode_attention_fused,
     dense_decode_capacity,
     is_decode_only,
 )
@@ -96,17 +94,6 @@ def test_decode_only_batch_takes_dense_path_and_matches_reference():
     assert dense_decode_capacity(batch, BLOCK_SIZE) == 12
     ref, flex, _, _ = run_both(batch, seed=1)
     torch.testing.assert_close(flex, ref, atol=1e-5, rtol=1e-5)
-
-
-def test_fused_decode_formulation_matches_the_dense_one():
-    g = torch.Generator().manual_seed(6)
-    k_cache, v_cache = (torch.randn(NUM_BLOCKS, BLOCK_SIZE, HKV, D, generator=g) for _ in range(2))
-    q = torch.randn(3, HQ, D, generator=g)
-    tables = torch.tensor([[5, 6, 7], [1, 9, 0], [2, 10, 12]])
-    seq_lens = torch.tensor([10, 8, 9])
-    want = decode_attention(q, k_cache, v_cache, tables, seq_lens, ctx=12)
-    got = decode_attention_fused(q, k_cache, v_cache, tables, seq_lens, ctx=12)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_unbalanced_decodes_take_the_packed_path():

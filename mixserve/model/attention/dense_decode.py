@@ -34,7 +34,6 @@ class DecodePlan:
 
     ctx: int  # context capacity C (multiple of block_size)
     block_size: int
-    fused: bool = False  # decode_attention_fused, compiled on CUDA (opt-in, measured by bench/gpu_bench.py)
 
 
 def is_decode_only(batch: ForwardBatch) -> bool:
@@ -76,28 +75,4 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                                                           float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(batch, group, ctx)
     out = torch.bmm(probs, v).view(num_kv_heads, num_seqs, group, head_dim).transpose(0, 1)
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
-
-
-def decode_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, ctx: int) -> torch.Tensor:
-    """decode_attention written as products and sums over cache entries read through the block table.
-
-    Under torch.compile each sum becomes one reduction kernel that loads K (then V) straight from the
-    paged cache: K/V are read once, no gathered copy. Run eagerly it materialises (S, Hkv, G, C, D).
-    """
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    pos = torch.arange(ctx, device=q.device)
-    blocks = block_tables[:, pos // block_size]  # (S, C)
-    offsets = (pos % block_size)[None, :].expand(num_seqs, ctx)
-    k = k_cache[blocks, offsets]  # (S, C, Hkv, D): an indexing the compiler fuses into its consumer
-    v = v_cache[blocks, offsets]
-    qg = q.view(num_seqs, 1, num_kv_heads, group, head_dim).float()
-    scores = (qg * k[:, :, :, None, :].float()).sum(-1) * (1.0 / math.sqrt(head_dim))  # (S, C, Hkv, G)
-    visible = pos[None, :] < seq_lens[:, None]
-    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=1)
-    out = (probs[..., None] * v[:, :, :, None, :].float()).sum(1)  # (S, Hkv, G, D)
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)

@@ -40,7 +40,6 @@ from mixserve.model.attention.base import AttentionBackend, AttentionMetadata
 from mixserve.model.attention.dense_decode import (
     DecodePlan,
     decode_attention,
-    decode_attention_fused,
     dense_decode_capacity,
 )
 from mixserve.model.attention.device_metadata import build_device_metadata
@@ -219,14 +218,6 @@ class FlexAttentionBackend(AttentionBackend):
             self._flex[compiled] = torch.compile(flex_attention) if compiled else flex_attention
         return self._flex[compiled]
 
-    def _fused_fn(self, device: torch.device):
-        # dynamic=True: one compile serves every (batch, context) shape of the decode graphs.
-        key = ("fused", device.type == "cuda")
-        if key not in self._flex:
-            self._flex[key] = (torch.compile(decode_attention_fused, dynamic=True) if device.type == "cuda"
-                               else decode_attention_fused)
-        return self._flex[key]
-
     def decode_kernel_for(self, q: torch.Tensor) -> str:
         """The kernel the decode-only path runs for q: "triton" (paged_decode_attention) or "dense"."""
         if self.decode_kernel == "auto":
@@ -243,8 +234,6 @@ class FlexAttentionBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 plan: DecodePlan) -> torch.Tensor:
-        if plan.fused:  # the opt-in compiled variant wins over decode_kernel
-            return self._fused_fn(q.device)(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, plan.ctx)
         if self.decode_kernel_for(q) == "triton":
             from mixserve.kernels.paged_attention import paged_decode_attention  # imports triton
 
