@@ -10,6 +10,9 @@ activations, cache writes and a gathered attention. These kernels fuse each of t
                        over block tables: K/V read once, straight from the cache)
   varlen_attention.py  paged_varlen_attention (a whole mixed batch, decodes and prefill chunks, in one
                        launch: causal tiles of one sequence's queries over its pages, no gather, no padding)
+  paged_tiles.py       what both attention kernels share: a KV tile read through a block table, and one
+                       step of the online softmax
+  self_check.py        every kernel against its reference on the device at start-up (off on a failure)
 
 Each kernel module imports triton at module level, so import them only after `use_triton(tensor)` said
 yes. The model calls them only for CUDA tensors; the CPU path stays pure PyTorch. Tests run every kernel

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mixserve.kernels.paged_tiles import load_kv_tile, online_softmax_step
+
 BLOCK_N = 64  # cache positions per tile of the KV loop
 MIN_DOT_ROWS = 16  # tl.dot wants at least 16 rows: a tile's rows are padded up to this
 TARGET_ROWS = 64  # block_m * GROUP rows per program: a standard flash-attention Q tile
@@ -111,25 +113,10 @@ def _paged_varlen_kernel(
     for start in range(0, end, BLOCK_N):
         pos = start + offsets
         valid = pos < end
-        # Position p lives in page block_tables[seq, p // BLOCK_SIZE] at slot p % BLOCK_SIZE. Pages are
-        # int64 before scaling: num_blocks * block stride can pass 2**31 elements on a large cache.
-        page = tl.load(block_tables_ptr + seq * stride_bts + (pos // BLOCK_SIZE) * stride_btc,
-                       mask=valid, other=0).to(tl.int64)
-        slot_off = page * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch  # (BLOCK_N,)
-        kv_mask = valid[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + slot_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + slot_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-
-        # input_precision="ieee": fp32 caches are not rounded to tf32 (no effect on bf16/fp16 operands).
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (ROWS, BLOCK_N) in fp32
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, pos, valid, dims,
+                            dim_ok, stride_bts, stride_btc, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # length mask and causal mask
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp(m_i - m_new)  # 0 on the first tile (m_i = -inf)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_row[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
