@@ -297,7 +297,7 @@ class FlexAttentionBackend(AttentionBackend):
 
         group = q.shape[1] // k_cache.shape[2]
         block_m = default_block_m(group)
-        if plan.block_m != block_m:  # prepare guessed another group (first mixed step): retile once
+        if plan.block_m != block_m:  # a backend nobody configured learns its group here: retile once
             tile_seq, tile_start = build_tiles(plan.query_lens, block_m)
             tiles = torch.tensor([tile_seq, tile_start], dtype=torch.int64).to(q.device)
             plan.block_m, plan.tile_seq, plan.tile_start = block_m, tiles[0], tiles[1]
