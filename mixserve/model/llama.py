@@ -36,6 +36,9 @@ def fused_ops() -> FusedOps:
                     silu_and_mul=activation.silu_and_mul, rotary_qk_=rope.rotary_qk_)
 
 
+KVCaches = list[tuple[Tensor, Tensor]]  # per layer: (K cache, V cache), (num_blocks, block_size, Hkv, D)
+
+
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -143,7 +146,7 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: KVCaches,
         attn: AttentionBackend,
     ) -> torch.Tensor:
         """Packed tokens (T,) -> float32 logits (S, vocab) of the tokens at meta.last_token_index.
@@ -157,26 +160,16 @@ class LlamaModel(nn.Module):
             hidden = self._last_hidden(hidden, meta, kv_caches, attn)
         return F.linear(hidden, self.lm_head).float()
 
-    def _last_hidden(
-        self,
-        hidden: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn: AttentionBackend,
-    ) -> torch.Tensor:
+    def _last_hidden(self, hidden: Tensor, meta: AttentionMetadata, kv_caches: KVCaches,
+                    attn: AttentionBackend) -> Tensor:
         """Eager PyTorch layers, then the final norm of each sequence's last token: (S, H)."""
         cos, sin = self.rotary.lookup(meta.positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, k_cache, v_cache, attn, meta)
         return rms_norm(hidden[meta.last_token_index], self.norm, self.config.rms_norm_eps)
 
-    def _last_hidden_fused(
-        self,
-        hidden: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn: AttentionBackend,
-    ) -> torch.Tensor:
+    def _last_hidden_fused(self, hidden: Tensor, meta: AttentionMetadata, kv_caches: KVCaches,
+                          attn: AttentionBackend) -> Tensor:
         """Fused Triton layers; the last layer's residual add fuses into the final norm: (S, H)."""
         ops = fused_ops()
         residual: torch.Tensor | None = None
