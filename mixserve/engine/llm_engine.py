@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -23,7 +24,7 @@ from mixserve.core import (
 from mixserve.engine.outputs import RequestUpdate, TokenLogprobs
 from mixserve.engine.request_state import RequestState
 from mixserve.engine.sampling_params import SamplingParams
-from mixserve.engine.threads import bind_threads, set_threads
+from mixserve.engine.threads import bind_threads, bound_while_loading, set_threads
 from mixserve.runner.sampler import Sampler, SamplingRow, row_seed
 
 
@@ -107,23 +108,23 @@ class LLMEngine:
         from mixserve.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 
         device = resolve_device(cfg.device)
-        if device.type == "cpu":
-            bind_threads(set_threads(cfg.threads))  # before loading: the loader's parallel work is bound too
-        runner = ModelRunner.from_pretrained(
-            cfg.model or None,
-            num_blocks=cfg.num_blocks,
-            block_size=cfg.block_size,
-            device=str(device),
-            dtype=resolve_dtype(cfg.dtype, device),  # auto: float32 on CPU, bfloat16 on CUDA
-            attention_backend=cfg.attention_backend,
-            cuda_graphs=cfg.cuda_graphs,
-            kv_cache_gib=cfg.cpu_kv_cache_gib,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            max_num_seqs=cfg.max_num_seqs,  # the largest decode batch a CUDA graph is captured for
-        )
-        engine = cls(runner, cfg)
-        engine._bound_thread = threading.get_ident()  # bound above, before the loader's first parallel work
-        return engine
+        # bound while loading (its parallel work runs one thread per core), then this thread is let go:
+        # it may go on to run the server's event loop, which must stay off the compute core (threads.py)
+        loading = bound_while_loading(set_threads(cfg.threads)) if device.type == "cpu" else nullcontext()
+        with loading:
+            runner = ModelRunner.from_pretrained(
+                cfg.model or None,
+                num_blocks=cfg.num_blocks,
+                block_size=cfg.block_size,
+                device=str(device),
+                dtype=resolve_dtype(cfg.dtype, device),  # auto: float32 on CPU, bfloat16 on CUDA
+                attention_backend=cfg.attention_backend,
+                cuda_graphs=cfg.cuda_graphs,
+                kv_cache_gib=cfg.cpu_kv_cache_gib,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                max_num_seqs=cfg.max_num_seqs,  # the largest decode batch a CUDA graph is captured for
+            )
+        return cls(runner, cfg)  # its first step() binds whichever thread steps, this one too (offline)
 
     # ---- requests in and out -------------------------------------------------------------------
 

@@ -1,19 +1,41 @@
-"""CPU threads: torch's intra-op pool sized to the cores, one thread bound per core.
+"""CPU threads: torch's intra-op pool sized to the cores, one thread bound per core — only the model's.
 
 torch has no API to pin its OpenMP workers, and OMP_PROC_BIND only counts if set before libgomp loads
 (before `import torch`). So we pin from the outside: Linux lets sched_setaffinity take a thread id. The
 thread that runs the model (the OpenMP master) goes to the first core; the workers its first parallel
 region creates (the threads that appear in /proc/self/task) go one to each following core. libgomp keeps
 one worker pool per master thread, so the engine binds again when step() first runs on a new thread.
+
+Where the server's event loop runs (decided for the issue "CPU fast path"): on any core, never pinned.
+`LLMEngine.from_config` pins the loading thread only while the model loads (`bound_while_loading`) and
+then gives it back every core. In `mixserve serve` that thread goes on to run uvicorn's event loop, and
+the step thread (AsyncEngine) pins itself to the first core at its first step. Why not leave the loop on
+the compute core, as before: every SSE write, /health answer and request parse then queued behind the
+OpenMP master on the one core the master may use, so the loop's latency was the length of a GEMM slice
+and each of its wake-ups took the master off its core in the middle of a parallel region, where the
+workers spin-wait for it at the barrier. And every thread the loop starts (asyncio's default executor
+for to_thread, the stop() join) inherited that one-core mask. Why not pin it to another core instead: on
+a 2-core machine the other core is the OpenMP worker's, so a pinned loop would take time from the worker
+exactly as it took it from the master, and it could not move to a core the kernel finds idle (between
+steps, during the GIL-held Python parts of a step, when another engine's workers sleep). Left free, the
+kernel puts it wherever there is slack. Offline (`LLM.generate`) the calling thread is the model's
+thread, so its first step() binds it again (the pool it started while loading is re-pinned as it was).
+`bench/serve_overhead.py` (`make bench-serve`) measures the result: a decode step through the server
+against the same step offline, and /health latency during the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from functools import cache
 
 import torch
+
+# native id of a master thread -> the native ids of the OpenMP workers its first parallel region started
+_pools: dict[int, list[int]] = {}
 
 
 @cache
@@ -46,19 +68,41 @@ def bind_threads(n: int) -> bool:
     if not 2 <= n <= len(cores) or not hasattr(os, "sched_setaffinity"):
         return False  # one thread needs no binding; more threads than cores cannot have one each
     cores = cores[:n]
+    me = threading.get_native_id()
     try:
         before = _task_ids()
         torch.ones(1 << 20).add_(1.0)  # a parallel region: makes libgomp start this thread's pool
         new = sorted(_task_ids() - before)
-        if not new:
-            known = {t.native_id for t in threading.enumerate()}
-            new = sorted(_task_ids() - known)
-        os.sched_setaffinity(threading.get_native_id(), {cores[0]})
+        if not new:  # the pool existed: the workers found when this thread was first bound, if it was
+            new = _pools.get(me) or sorted(_task_ids() - {t.native_id for t in threading.enumerate()})
+        _pools[me] = new
+        os.sched_setaffinity(me, {cores[0]})
         for i, tid in enumerate(new):
             os.sched_setaffinity(tid, {cores[(i + 1) % len(cores)]})
         return True
     except OSError:
         return False  # e.g. a thread exited meanwhile, or a sandbox forbids it: unbound is still correct
+
+
+def unbind_thread() -> None:
+    """Let the calling thread (not its OpenMP workers) run on every available core again."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or a sandbox forbids it
+        os.sched_setaffinity(threading.get_native_id(), available_cores())
+
+
+@contextlib.contextmanager
+def bound_while_loading(n: int) -> Iterator[None]:
+    """Bind the calling thread and its workers (bind_threads) for the block; then free the thread.
+
+    The block's parallel work (the loader's) runs one thread per core; afterwards the thread may go on to
+    run something else, such as the server's event loop, which must not sit on the compute core.
+    """
+    bound = bind_threads(n)
+    try:
+        yield
+    finally:
+        if bound:
+            unbind_thread()
 
 
 def _task_ids() -> set[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -35,3 +36,49 @@ def test_threads_zero_binds_one_thread_per_core() -> None:
     assert mine == str([cores[0]])  # the thread that runs the model is on the first core
     for core in cores[1:]:  # and each other core got a worker of its own
         assert f"[{core}]" in pinned
+
+
+SERVE_SCRIPT = """
+import asyncio, json, os, sys
+os.sched_setaffinity(0, range(os.cpu_count()))
+from mixserve.config import EngineConfig
+from mixserve.engine import LLMEngine, SamplingParams
+from mixserve.engine.async_engine import AsyncEngine
+from mixserve.engine.threads import available_cores
+
+engine = LLMEngine.from_config(EngineConfig(model=sys.argv[1], device="cpu", threads=0, num_blocks=64,
+                                            block_size=4, attention_backend="torch"))
+after_load = sorted(os.sched_getaffinity(0))  # the thread that goes on to run the event loop
+
+async def serve_one():
+    served = AsyncEngine(engine)
+    await served.start()
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    async for update in served.generate("r0", [5, 6, 7], params):
+        pass
+    step = served._thread.native_id
+    loop = sorted(os.sched_getaffinity(0))  # the event loop's thread, while the step thread lives
+    helper = await asyncio.to_thread(lambda: sorted(os.sched_getaffinity(0)))  # a thread the loop starts
+    stepper = sorted(os.sched_getaffinity(step))
+    await served.stop()
+    return loop, helper, stepper
+
+print(json.dumps([available_cores(), after_load, *asyncio.run(serve_one())]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or (os.cpu_count() or 1) < 2,
+                    reason="needs Linux and at least two cores")
+def test_event_loop_thread_is_not_left_on_the_compute_core(tiny_model_dir) -> None:
+    """from_config binds the loading thread, then frees it: in `mixserve serve` it runs the event loop.
+
+    The step thread alone holds the first core; the loop's thread, and the threads it starts, may run on
+    every core (threads.py says why).
+    """
+    out = subprocess.run([sys.executable, "-c", SERVE_SCRIPT, str(tiny_model_dir)], capture_output=True,
+                         text=True, timeout=300, check=True)
+    cores, after_load, loop, helper, stepper = json.loads(out.stdout.strip().splitlines()[-1])
+    if len(cores) < 2:
+        pytest.skip("this process may use only one core")
+    assert after_load == cores and loop == cores and helper == cores
+    assert stepper == cores[:1]  # the step thread did pin itself to the compute core
