@@ -1,4 +1,4 @@
-"""The reference attention backend: paged K/V writes and causal attention per sequence, GQA."""
+"""The CPU attention backends (reference and C++ paged kernel): paged K/V writes, causal attention, GQA."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
-def test_torch_backend_matches_definition_on_a_mixed_batch() -> None:
+@pytest.mark.parametrize("name", ["torch", "cpu"])
+def test_backend_matches_definition_on_a_mixed_batch(name: str) -> None:
     g = torch.Generator().manual_seed(0)
-    backend = get_backend("torch", "cpu")
+    backend = get_backend(name, "cpu")
     k_cache = torch.zeros(NBLOCKS, BS, HKV, D)
     v_cache = torch.zeros(NBLOCKS, BS, HKV, D)
     # (start, new tokens, block table): decodes of different lengths (batched together), a middle chunk,
@@ -73,7 +74,9 @@ def test_block_table_too_short_is_a_clear_error() -> None:
 
 
 def test_get_backend_names() -> None:
-    assert get_backend("auto", "cpu").name == "torch"
+    assert get_backend("auto", "cpu").name == "cpu"  # the C++ kernel, for float32 and bfloat16
+    assert get_backend("auto", "cpu", torch.bfloat16).name == "cpu"
+    assert get_backend("auto", "cpu", torch.float16).name == "torch"  # the kernel has no float16
     assert get_backend("torch", "cpu").name == "torch"
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         get_backend("nope", "cpu")

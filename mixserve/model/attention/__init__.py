@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 
 import torch
 
@@ -14,7 +15,9 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "build_metadata"
 BACKENDS: dict[str, str] = {
     "torch": "mixserve.model.attention.torch_ref:TorchAttention",
     "flex": "mixserve.model.attention.flex:FlexAttentionBackend",
+    "cpu": "mixserve.model.attention.cpu_paged:CpuPagedAttention",
 }
+log = logging.getLogger("mixserve")
 
 
 def _load(name: str) -> type[AttentionBackend]:
@@ -22,8 +25,11 @@ def _load(name: str) -> type[AttentionBackend]:
     return getattr(importlib.import_module(module), cls)
 
 
-def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """An attention backend by name: "auto" (flex on CUDA when it imports, else torch), "torch", "flex"."""
+def get_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> AttentionBackend:
+    """An attention backend by name: "auto", "torch", "flex" or "cpu".
+
+    "auto" is flex on CUDA (when it imports); on the CPU it is the C++ paged kernel ("cpu") for float32
+    and bfloat16, built on first use — where it cannot be built (no compiler), torch with one warning."""
     device = torch.device(device)
     if name == "auto":
         if device.type == "cuda":
@@ -31,6 +37,13 @@ def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
                 return _load("flex")()
             except ImportError:
                 pass
+        elif dtype in (None, torch.float32, torch.bfloat16):
+            from mixserve.model.attention.cpu_build import KernelBuildError
+
+            try:
+                return _load("cpu")()
+            except KernelBuildError as e:
+                log.warning("CPU attention kernel unavailable (%s): using the slower torch backend", e)
         return _load("torch")()
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, {', '.join(BACKENDS)}")

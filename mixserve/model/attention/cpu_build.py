@@ -1,0 +1,106 @@
+"""Builds the C++ CPU attention kernel (csrc/paged_attention.cpp) once per machine and loads it (ctypes).
+
+The kernel has a plain C ABI and includes no torch header, so g++ builds it in about three seconds with no
+ninja and no torch build machinery; `pip install` stays compiler-free. The library is cached under
+$MIXSERVE_CACHE (default ~/.cache/mixserve), keyed by the source, the flags, the compiler and the CPU's
+flags: `-march=native` code built on one CPU never runs on another. A machine without a compiler gets
+KernelBuildError, and the caller falls back to the reference backend with one warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("mixserve")
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+# -ffast-math: vectorised expf (glibc's libmvec) and reassociated sums; the kernel uses no infinities.
+# -fopenmp: the library shares torch's libgomp (same soname, already loaded), so torch's threads run it.
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+
+_I64P = ctypes.POINTER(ctypes.c_int64)
+_ARGTYPES = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 10 + [
+             ctypes.c_float, ctypes.c_int]
+
+
+class KernelBuildError(RuntimeError):
+    """The CPU kernel could not be built or loaded here (no compiler, a failed build, a bad library)."""
+
+
+def cache_dir() -> Path:
+    """$MIXSERVE_CACHE, else $XDG_CACHE_HOME/mixserve, else ~/.cache/mixserve."""
+    if os.environ.get("MIXSERVE_CACHE"):
+        return Path(os.environ["MIXSERVE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mixserve"
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags as /proc/cpuinfo lists them ("" where there is no such file)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise KernelBuildError("no C++ compiler found (g++ or $CXX)")
+    return cxx
+
+
+def library_path() -> Path:
+    """Where the built library for this source, compiler and CPU lives (built or not)."""
+    cxx = _compiler()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"C++ compiler {cxx} does not run: {e}") from None
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, cpu_flags(),
+                                    platform.machine()]).encode()).hexdigest()[:16]
+    return cache_dir() / f"paged_attention-{key}.so"
+
+
+def _build(target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building the CPU attention kernel (once per machine): %s", target)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([_compiler(), *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no output"])[0]
+            raise KernelBuildError(f"building {SOURCE.name} failed: {first}")
+        os.replace(tmp, target)  # atomic: a concurrent builder never loads a half-written library
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"building {SOURCE.name} failed: {e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    """The kernel library, built first if this machine has none yet; KernelBuildError if it cannot be."""
+    target = library_path()
+    if not target.exists():
+        _build(target)
+    try:
+        lib = ctypes.CDLL(str(target))
+        fn = lib.mixserve_paged_attention
+    except (OSError, AttributeError) as e:
+        raise KernelBuildError(f"loading {target} failed: {e}") from None
+    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    return lib

@@ -1,0 +1,48 @@
+"""The CPU backend: one C++ call per layer attends a whole mixed batch, reading K/V in the paged cache.
+
+Where the reference backend gathers every sequence's context into a dense copy (half of a CPU decode
+step's time went to that `index_select`) and calls SDPA once per prefill chunk, this one writes the
+step's K/V into the cache and hands the kernel (csrc/paged_attention.cpp) the pointers: decodes and
+chunks, every layer, with no per-chunk Python. float32 and bfloat16 (computed in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixserve.model.attention.base import AttentionBackend, AttentionMetadata
+from mixserve.model.attention.cpu_build import load_library
+from mixserve.model.attention.torch_ref import write_kv
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class CpuPagedAttention(AttentionBackend):
+    """Paged attention for mixed batches on the CPU (C++ kernel built once per machine)."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._fn = load_library().mixserve_paged_attention  # KernelBuildError when it cannot be built
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        code = _DTYPE_CODE.get(q.dtype)
+        if code is None or q.device.type != "cpu":
+            raise ValueError(f"the cpu attention backend takes float32 or bfloat16 on the CPU, got {q.dtype} "
+                             f"on {q.device}: use attention_backend = 'torch'")
+        if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the cpu attention backend needs q's head dim and the caches contiguous")
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        t, num_heads, head_dim = q.shape
+        out = torch.empty((t, num_heads, head_dim), dtype=q.dtype)
+        tables = meta.block_tables
+        rc = self._fn(
+            code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+            meta.query_start.data_ptr(), meta.seq_lens.data_ptr(), tables.data_ptr(),
+            tables.shape[0], tables.shape[1], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), head_dim ** -0.5, torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(f"the cpu attention kernel cannot take this shape (code {rc}): "
+                             f"{num_heads} heads, {k_cache.shape[2]} KV heads, head dim {head_dim}")
+        return out

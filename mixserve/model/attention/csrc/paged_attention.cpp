@@ -1,0 +1,281 @@
+// Causal attention of a whole mixed batch (decodes and prefill chunks) over the paged KV cache, read in
+// place through each sequence's block table: no gathered copy of any context, one call per layer.
+//
+// Plain C ABI (called through ctypes), no torch headers: it builds in about a second with g++ and needs
+// no ninja. OpenMP shares torch's libgomp (same soname, already loaded), so the step thread's bound
+// worker pool runs it.
+//
+// Work item = (sequence, KV head, tile of up to TILE_TOKENS query tokens): the tile's query rows are every
+// query head of that KV head's GQA group, so each K/V element read from the cache serves G heads. Keys go
+// in tiles of KEY_TILE (16 = one AVX-512 register of fp32 scores per row); online softmax per row.
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int KEY_TILE = 16;
+constexpr int TILE_TOKENS = 16;
+constexpr int MAX_ROWS = 128;  // TILE_TOKENS * the largest GQA group a tile takes (G <= 8)
+constexpr int MAX_HEAD_DIM = 256;
+// A finite "minus infinity": the library is built with -ffast-math, which assumes no infinities.
+constexpr float NEG_BIG = -1e30f;
+
+// 16 floats as one value: GCC's vector extension is one AVX-512 register here and two AVX2 registers on
+// an AVX2-only CPU. Written out where GCC would not vectorise the plain loops (a 16-wide score row across
+// the D loop, an accumulator row kept in registers across keys).
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf16u __attribute__((vector_size(64), aligned(4)));  // for loads at any float address
+
+inline vf16 load16(const float* p) { return *reinterpret_cast<const vf16u*>(p); }
+inline void store16(float* p, vf16 v) { *reinterpret_cast<vf16u*>(p) = v; }
+
+inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits += 0x7fff + ((bits >> 16) & 1);
+    return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float load(const float* p) { return *p; }
+inline float load(const uint16_t* p) { return bf16_to_float(*p); }
+inline void store(float* p, float v) { *p = v; }
+inline void store(uint16_t* p, float v) { *p = float_to_bf16(v); }
+
+struct Item {
+    int64_t seq, kv_head, q_begin, q_end;  // q_begin/q_end: packed token indices of the tile
+};
+
+struct Shape {
+    int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+    int64_t q_stride_t, q_stride_h, o_stride_t, o_stride_h;
+    float scale;
+};
+
+// exp(x) for x <= 0 as a polynomial the compiler vectorises (glibc's expf stays scalar here): 2^f on
+// [-0.5, 0.5] with Cephes' exp2f coefficients (relative error ~2e-7), scaled by 2^n through the exponent.
+inline float exp_nonpositive(float x) {
+    const float t = std::max(x, -87.0f) * 1.44269504088896341f;
+    const float n = std::floor(t + 0.5f);
+    const float f = t - n;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+// Rows of K (or V) for one key tile as float pointers: float32 caches are read in place, bfloat16 rows
+// are widened into `buf` once per tile.
+template <typename T, int DC>
+inline void tile_rows(const T* cache, const int64_t* table, int64_t k0, int64_t nk, int64_t head_off,
+                      const Shape& sh, float (*buf)[MAX_HEAD_DIM], const float** rows) {
+    const int64_t D = DC ? DC : sh.head_dim, kv_row = sh.num_kv_heads * D;
+    for (int64_t j = 0; j < nk; ++j) {
+        const int64_t key = k0 + j;
+        const T* src = cache + (table[key / sh.block_size] * sh.block_size + key % sh.block_size) * kv_row
+                       + head_off;
+        if constexpr (sizeof(T) == sizeof(float)) {
+            rows[j] = reinterpret_cast<const float*>(src);
+        } else {
+            for (int64_t d = 0; d < D; ++d) buf[j][d] = load(src + d);
+            rows[j] = buf[j];
+        }
+    }
+}
+
+static_assert(KEY_TILE == 16, "a row's scores for one key tile are one vf16");
+
+// Scores of `rows` query rows against one transposed key tile: sc[r][j] = q_r . k_j. Four rows at a
+// time, each over two halves of d: eight independent FMA chains hide the FMA latency, and each kt[d]
+// load serves four rows.
+inline void tile_scores(const float (*qs)[MAX_HEAD_DIM], const vf16* kt, int64_t rows, int64_t D,
+                        float (*sc)[KEY_TILE]) {
+    int64_t r = 0;
+    for (; r + 4 <= rows && D % 2 == 0; r += 4) {
+        vf16 a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
+        for (int64_t d = 0; d < D; d += 2) {
+            a0 += qs[r][d] * kt[d];
+            a1 += qs[r + 1][d] * kt[d];
+            a2 += qs[r + 2][d] * kt[d];
+            a3 += qs[r + 3][d] * kt[d];
+            b0 += qs[r][d + 1] * kt[d + 1];
+            b1 += qs[r + 1][d + 1] * kt[d + 1];
+            b2 += qs[r + 2][d + 1] * kt[d + 1];
+            b3 += qs[r + 3][d + 1] * kt[d + 1];
+        }
+        store16(sc[r], a0 + b0);
+        store16(sc[r + 1], a1 + b1);
+        store16(sc[r + 2], a2 + b2);
+        store16(sc[r + 3], a3 + b3);
+    }
+    for (; r < rows; ++r) {
+        vf16 a = {};
+        for (int64_t d = 0; d < D; ++d) a += qs[r][d] * kt[d];
+        store16(sc[r], a);
+    }
+}
+
+template <typename T, int DC>
+void attend_tile(const Item& it, const T* q, const T* k_cache, const T* v_cache, T* out,
+                 const int64_t* query_start, const int64_t* seq_lens, const int64_t* block_tables,
+                 const Shape& sh) {
+    const int64_t D = DC ? DC : sh.head_dim, G = sh.num_heads / sh.num_kv_heads;
+    const int64_t n_tok = it.q_end - it.q_begin, rows = n_tok * G;
+    const int64_t qlen = query_start[it.seq + 1] - query_start[it.seq];
+    const int64_t ctx = seq_lens[it.seq];
+    // absolute position of packed token t = ctx - qlen + (t - query_start[seq])
+    const int64_t pos0 = ctx - qlen + (it.q_begin - query_start[it.seq]);
+    const int64_t* table = block_tables + it.seq * sh.max_blocks;
+    const int64_t head_off = it.kv_head * D;
+    // Few rows (decodes): one dot product per (row, key) straight from the cache rows. Many rows (chunks):
+    // K transposed once per tile, so each row's 16 scores are D broadcast-FMAs into one vector.
+    const bool transpose = rows >= 8;
+
+    alignas(64) float qs[MAX_ROWS][MAX_HEAD_DIM];
+    alignas(64) float acc[MAX_ROWS][MAX_HEAD_DIM];
+    vf16 kt[MAX_HEAD_DIM];  // kt[d][j] = K[key j][d]
+    alignas(64) float kbuf[KEY_TILE][MAX_HEAD_DIM];
+    alignas(64) float vbuf[KEY_TILE][MAX_HEAD_DIM];
+    alignas(64) float sc[MAX_ROWS][KEY_TILE];  // the tile's scores, row by row
+    const float* krow[KEY_TILE];
+    const float* vrow[KEY_TILE];
+    float m[MAX_ROWS], l[MAX_ROWS];
+
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t t = r / G, h = it.kv_head * G + r % G;
+        const T* src = q + (it.q_begin + t) * sh.q_stride_t + h * sh.q_stride_h;
+        for (int64_t d = 0; d < D; ++d) qs[r][d] = load(src + d) * sh.scale;
+        for (int64_t d = 0; d < D; ++d) acc[r][d] = 0.f;
+        m[r] = NEG_BIG;
+        l[r] = 0.f;
+    }
+    const int64_t num_keys = pos0 + n_tok;  // the last query of the tile sees keys 0..pos0 + n_tok - 1
+    for (int64_t k0 = 0; k0 < num_keys; k0 += KEY_TILE) {
+        const int64_t nk = std::min<int64_t>(KEY_TILE, num_keys - k0);
+        tile_rows<T, DC>(k_cache, table, k0, nk, head_off, sh, kbuf, krow);
+        tile_rows<T, DC>(v_cache, table, k0, nk, head_off, sh, vbuf, vrow);
+        if (transpose) {
+            for (int64_t j = 0; j < KEY_TILE; ++j)
+                for (int64_t d = 0; d < D; ++d) kt[d][j] = j < nk ? krow[j][d] : 0.f;
+            tile_scores(qs, kt, rows, D, sc);
+        } else {
+            for (int64_t r = 0; r < rows; ++r)
+                for (int64_t j = 0; j < nk; ++j) {
+                    float dot = 0.f;
+                    for (int64_t d = 0; d < D; ++d) dot += qs[r][d] * krow[j][d];
+                    sc[r][j] = dot;
+                }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t visible = std::min<int64_t>(nk, pos0 + r / G - k0 + 1);  // causal, tile end
+            if (visible <= 0) continue;
+            float* s = sc[r];
+            float tile_max = NEG_BIG;
+            for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
+            const float m_new = std::max(m[r], tile_max);
+            const float alpha = exp_nonpositive(m[r] - m_new);  // 0 on the first tile
+            float sum = 0.f;
+            for (int j = 0; j < KEY_TILE; ++j) {
+                s[j] = j < visible ? exp_nonpositive(s[j] - m_new) : 0.f;
+                sum += s[j];
+            }
+            l[r] = l[r] * alpha + sum;
+            m[r] = m_new;
+            float* a = acc[r];
+            if constexpr (DC > 0 && DC % 16 == 0) {  // the row stays in registers across the keys
+                vf16 av[DC / 16];
+                for (int c = 0; c < DC / 16; ++c) av[c] = load16(a + 16 * c) * alpha;
+                for (int64_t j = 0; j < visible; ++j)
+                    for (int c = 0; c < DC / 16; ++c) av[c] += s[j] * load16(vrow[j] + 16 * c);
+                for (int c = 0; c < DC / 16; ++c) store16(a + 16 * c, av[c]);
+            } else {
+                for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+                for (int64_t j = 0; j < visible; ++j)
+                    for (int64_t d = 0; d < D; ++d) a[d] += s[j] * vrow[j][d];
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t t = r / G, h = it.kv_head * G + r % G;
+        T* dst = out + (it.q_begin + t) * sh.o_stride_t + h * sh.o_stride_h;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int64_t d = 0; d < D; ++d) store(dst + d, acc[r][d] * inv);
+    }
+}
+
+template <typename T>
+void run(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* query_start,
+         const int64_t* seq_lens, const int64_t* block_tables, int64_t num_seqs, const Shape& sh,
+         int num_threads) {
+    const int64_t G = sh.num_heads / sh.num_kv_heads;
+    const int64_t tokens = std::max<int64_t>(1, std::min<int64_t>(TILE_TOKENS, MAX_ROWS / G));
+    std::vector<Item> items;
+    items.reserve(num_seqs * sh.num_kv_heads);
+    // Longest contexts first: with dynamic scheduling, the big prefill tiles start early and the cheap
+    // decodes fill in behind them on whichever thread is free.
+    for (int64_t s = 0; s < num_seqs; ++s)
+        for (int64_t b = query_start[s]; b < query_start[s + 1]; b += tokens)
+            for (int64_t h = 0; h < sh.num_kv_heads; ++h)
+                items.push_back({s, h, b, std::min(b + tokens, query_start[s + 1])});
+    std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+        const int64_t wa = (a.q_end - a.q_begin) * seq_lens[a.seq], wb = (b.q_end - b.q_begin) * seq_lens[b.seq];
+        return wa > wb;
+    });
+    const int64_t n = static_cast<int64_t>(items.size());
+    // Head dims 64 and 128 (most Llama-family models) get the loops unrolled at compile time.
+    auto tile = sh.head_dim == 64    ? attend_tile<T, 64>
+                : sh.head_dim == 128 ? attend_tile<T, 128>
+                                     : attend_tile<T, 0>;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i)
+        tile(items[i], q, k_cache, v_cache, out, query_start, seq_lens, block_tables, sh);
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 = float32, 1 = bfloat16. Caches (num_blocks, block_size, num_kv_heads, head_dim) contiguous;
+// q and out (T, num_heads, head_dim) with the given token and head strides (last dim contiguous).
+// Returns 0, or a positive code for arguments the kernel cannot take.
+int mixserve_paged_attention(int dtype, const void* q, const void* k_cache, const void* v_cache, void* out,
+                             const int64_t* query_start, const int64_t* seq_lens,
+                             const int64_t* block_tables, int64_t num_seqs, int64_t max_blocks,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                             int64_t q_stride_t, int64_t q_stride_h, int64_t o_stride_t, int64_t o_stride_h,
+                             float scale, int num_threads) {
+    if (head_dim > MAX_HEAD_DIM || num_kv_heads < 1 || num_heads % num_kv_heads != 0) return 1;
+    if (num_heads / num_kv_heads > MAX_ROWS) return 2;
+    const Shape sh{num_heads, num_kv_heads, head_dim, block_size, max_blocks,
+                   q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale};
+    if (dtype == 0)
+        run(static_cast<const float*>(q), static_cast<const float*>(k_cache), static_cast<const float*>(v_cache),
+            static_cast<float*>(out), query_start, seq_lens, block_tables, num_seqs, sh, num_threads);
+    else if (dtype == 1)
+        run(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
+            static_cast<const uint16_t*>(v_cache), static_cast<uint16_t*>(out), query_start, seq_lens,
+            block_tables, num_seqs, sh, num_threads);
+    else
+        return 3;
+    return 0;
+}
+
+}  // extern "C"

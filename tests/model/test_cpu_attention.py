@@ -1,0 +1,116 @@
+"""The C++ CPU attention kernel against attention by its definition, over the shapes it dispatches on."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from mixserve.core.batch import ForwardBatch, ForwardSeq
+from mixserve.model.attention import cpu_build, get_backend
+from mixserve.model.attention.cpu_paged import CpuPagedAttention
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """q (n, Hq, D) at positions start.., k/v (L, Hkv, D) -> (n, Hq, D), float64, causal, GQA."""
+    rep = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    scores = torch.einsum("nhd,lhd->hnl", q, k) / q.shape[-1] ** 0.5
+    qpos = torch.arange(start, start + q.shape[0]).unsqueeze(1)
+    scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > qpos, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
+
+
+def run_random_batch(seed: int, hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype) -> float:
+    """A random mixed batch on scattered blocks; returns the largest error against the reference."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    num_blocks = 256
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    seqs, histories = [], []
+    for i in range(rng.randint(1, 7)):
+        start = rng.choice([0, 0, rng.randint(1, 70)])
+        n = rng.choice([1, 1, rng.randint(1, 40)])  # decodes, and chunks across tile edges
+        table = [free.pop() for _ in range(-(-(start + n) // bs))]
+        seqs.append(ForwardSeq(str(i), [0] * n, start, table))
+        histories.append((start, n, table))
+    backend = CpuPagedAttention()
+    meta = backend.prepare(ForwardBatch(seqs), bs, torch.device("cpu"))
+    t = meta.positions.shape[0]
+    # q as a strided view of a fused projection, the way the model hands it over
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta)
+    worst, begin = 0.0, 0
+    for start, n, table in histories:
+        slots = [table[p // bs] * bs + p % bs for p in range(start + n)]
+        keys = k_cache.view(-1, hkv, d)[slots]
+        values = v_cache.view(-1, hkv, d)[slots]
+        want = reference(q[begin : begin + n], keys, values, start)
+        worst = max(worst, (out[begin : begin + n].double() - want).abs().max().item())
+        begin += n
+    return worst
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (8, 8, 16), (8, 1, 128), (4, 2, 80), (16, 2, 32)])
+@pytest.mark.parametrize("bs", [1, 4, 16])
+def test_float32_mixed_batches_match_the_definition(hq: int, hkv: int, d: int, bs: int) -> None:
+    for seed in range(3):
+        assert run_random_batch(seed, hq, hkv, d, bs, torch.float32) < 2e-5
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 2, 80)])
+def test_bfloat16_mixed_batches_match_the_definition(hq: int, hkv: int, d: int) -> None:
+    # Inputs are bf16 and the kernel computes in float32: the only loss is rounding the output to bf16
+    # (8 bits of mantissa: 2^-8 relative on values of magnitude up to ~2).
+    for seed in range(3):
+        assert run_random_batch(seed, hq, hkv, d, 16, torch.bfloat16) < 2 ** -8 * 2
+
+
+def test_a_shape_the_kernel_cannot_take_is_a_clear_error() -> None:
+    backend = CpuPagedAttention()
+    meta = backend.prepare(ForwardBatch([ForwardSeq("x", [1], 0, [0])]), 4, torch.device("cpu"))
+    cache = torch.zeros(1, 4, 1, 512)
+    with pytest.raises(ValueError, match="cannot take this shape"):
+        backend.forward(torch.zeros(1, 1, 512), torch.zeros(1, 1, 512), torch.zeros(1, 1, 512), cache, cache,
+                        meta)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        half = torch.zeros(1, 1, 8, dtype=torch.float16)
+        backend.forward(half, half, half, cache.half()[..., :8], cache.half()[..., :8], meta)
+
+
+def test_no_compiler_falls_back_to_torch_with_one_warning(monkeypatch, tmp_path, caplog) -> None:
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    monkeypatch.setenv("MIXSERVE_CACHE", str(tmp_path))
+    cpu_build.load_library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="mixserve"):
+            backend = get_backend("auto", "cpu")
+        assert backend.name == "torch"
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "CPU attention kernel unavailable" in warnings[0].getMessage()
+        with pytest.raises(cpu_build.KernelBuildError):
+            get_backend("cpu", "cpu")
+    finally:
+        cpu_build.load_library.cache_clear()
+
+
+def test_the_library_is_built_once_and_cached(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("MIXSERVE_CACHE", str(tmp_path))
+    cpu_build.load_library.cache_clear()
+    try:
+        cpu_build.load_library()
+        built = list(tmp_path.glob("paged_attention-*.so"))
+        assert len(built) == 1 and built[0] == cpu_build.library_path()
+        mtime = built[0].stat().st_mtime_ns
+        cpu_build.load_library.cache_clear()
+        cpu_build.load_library()
+        assert built[0].stat().st_mtime_ns == mtime  # loaded again, not rebuilt
+    finally:
+        cpu_build.load_library.cache_clear()
