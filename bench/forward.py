@@ -1,6 +1,7 @@
 """tau(tokens): the time of one forward of T tokens on the default model, ours next to HF transformers'.
 
 Not a test. Run: .venv/bin/python bench/forward.py [--max-tokens 2048] [--repeats 3] [--threads 0]
+[--dtype bfloat16] [--no-hf].
 Each T is one prompt of T tokens prefilled whole from position 0 (ours: one ForwardBatch; HF: one
 forward with logits_to_keep=1, so both compute the LM head on the last token only). Median of repeats.
 """
@@ -34,19 +35,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--no-hf", action="store_true", help="time ours only")
+    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16, ours and HF's alike")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     block_size = 16
     num_blocks = args.max_tokens // block_size + 1
-    runner = ModelRunner.from_pretrained(None, num_blocks=num_blocks, block_size=block_size, device="cpu")
+    runner = ModelRunner.from_pretrained(None, num_blocks=num_blocks, block_size=block_size, device="cpu",
+                                         dtype=args.dtype)
     hf = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
         path = default_model_path()
-        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=runner.dtype)
         hf.eval()
 
     vocab = runner.config.vocab_size

@@ -2,45 +2,44 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mixserve.kernels import NORM_MAX_HIDDEN, use_triton
+from mixserve import kernels
 from mixserve.model.attention.base import AttentionBackend, AttentionMetadata
 from mixserve.model.config import ModelConfig
 from mixserve.model.errors import ModelLoadError
-from mixserve.model.rope import RotaryTable, apply_rotary
-
-
-@dataclass(frozen=True)
-class FusedOps:
-    """The Triton kernels of the fused path (mixserve/kernels), loaded on first use."""
-
-    rms_norm: Callable[[Tensor, Tensor, float], Tensor]
-    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
-    silu_and_mul: Callable[[Tensor], Tensor]
-    rotary_qk_: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]
-
-
-@functools.cache
-def fused_ops() -> FusedOps:
-    """Import the kernel modules (and triton) once, only when the fused path first runs."""
-    from mixserve.kernels import activation, norm, rope
-
-    return FusedOps(rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm,
-                    silu_and_mul=activation.silu_and_mul, rotary_qk_=rope.rotary_qk_)
-
+from mixserve.model.ops import LayerOps, Rotary, torch_ops
+from mixserve.model.rope import RotaryTable
 
 KVCaches = list[tuple[Tensor, Tensor]]  # per layer: (K cache, V cache), (num_blocks, block_size, Hkv, D)
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """A layer's linear weights as its ops' `linear` takes them (a plain attribute, not parameters: the
+    state dict and parameters() stay the loaded weights)."""
+
+    qkv: Any
+    o_proj: Any
+    gate_up: Any
+    down: Any
+
+
+@dataclass(frozen=True)
+class HeadWeight:
+    """The LM head as the ops' `linear` takes it (a plain attribute, for the reason LayerWeights gives)."""
+
+    lm_head: Any
 
 
 class DecoderLayer(nn.Module):
@@ -60,71 +59,35 @@ class DecoderLayer(nn.Module):
         self.post_norm = _param(h, dtype=dtype, device=device)
         self.gate_up = _param(2 * cfg.intermediate_size, h, dtype=dtype, device=device)
         self.down = _param(h, cfg.intermediate_size, dtype=dtype, device=device)
+        self.prepare(torch_ops())  # the parameters themselves, until the runner hands over its ops
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        attn: AttentionBackend,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        t = hidden.shape[0]
-        x = rms_norm(hidden, self.input_norm, self.eps)
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        o = attn.forward(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta)
-        hidden = hidden + F.linear(o.reshape(t, self.q_size), self.o_proj)
-        x = rms_norm(hidden, self.post_norm, self.eps)
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, self.down)
+    def prepare(self, ops: LayerOps) -> None:
+        """Hand the linears' weights to `ops.pack` (oneDNN's reorder on a CPU, nothing elsewhere); once, after
+        the weights are loaded: a packed copy does not follow later writes to the parameters."""
+        self.packed = LayerWeights(qkv=ops.pack(self.qkv), o_proj=ops.pack(self.o_proj),
+                                   gate_up=ops.pack(self.gate_up), down=ops.pack(self.down))
 
-    def forward_fused(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        rotary: RotaryTable,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        attn: AttentionBackend,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same layer with Triton kernels, vLLM-style: (hidden, residual) in, (hidden, residual) out.
-
-        The residual stream is carried unsummed: this layer's output is `hidden + residual` (the caller
-        adds it, fused into the next norm). residual=None marks the first layer, whose input is whole.
-        Per layer: 2 norm launches (each with the residual add), 4 GEMMs, 1 RoPE, 1 SiLU*up, attention.
-        """
-        ops = fused_ops()
-        t = hidden.shape[0]
+    def forward(self, hidden: Tensor, residual: Tensor | None, rot: Rotary, k_cache: Tensor, v_cache: Tensor,
+                attn: AttentionBackend, meta: AttentionMetadata, ops: LayerOps) -> tuple[Tensor, Tensor]:
+        """(hidden, residual) in, (hidden, residual) out, vLLM-style: the residual stream is carried unsummed,
+        this layer's output is `hidden + residual` (the next norm adds it: one launch with the Triton set).
+        residual=None marks the first layer, whose input is whole."""
+        t, w = hidden.shape[0], self.packed
         if residual is None:
             residual = hidden
             x = ops.rms_norm(hidden, self.input_norm, self.eps)
         else:
             x, residual = ops.add_rms_norm(hidden, residual, self.input_norm, self.eps)
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
-        # Strided views into qkv (strides (W, D, 1)): RoPE rotates q and k in place, nothing is copied.
+        qkv = ops.linear(x, w.qkv, self.qkv_bias)
+        # Strided views into qkv (strides (W, D, 1)): nothing is copied; the Triton RoPE rotates in place.
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        ops.rotary_qk_(q, k, rotary.cos, rotary.sin, meta.positions)
+        q, k = ops.rotary(q, k, rot)
         o = attn.forward(q, k, v, k_cache, v_cache, meta)
-        hidden = F.linear(o.reshape(t, self.q_size), self.o_proj)
+        hidden = ops.linear(o.reshape(t, self.q_size), w.o_proj, None)
         x, residual = ops.add_rms_norm(hidden, residual, self.post_norm, self.eps)
-        return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up)), self.down), residual
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 like HF, then scaled in the weight's dtype."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+        return ops.linear(ops.silu_and_mul(ops.linear(x, w.gate_up, None)), w.down, None), residual
 
 
 class LlamaModel(nn.Module):
@@ -141,6 +104,16 @@ class LlamaModel(nn.Module):
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
         )
         self.rotary = RotaryTable(cfg, device, dtype)
+        self.prepare(torch_ops())
+
+    def prepare(self, ops: LayerOps) -> None:
+        """Run the layers with `ops` from now on (the runner decides them once, at start-up), packing the
+        weights as they want them. Call it after the weights are loaded."""
+        self.ops = ops
+        for layer in self.layers:
+            layer.prepare(ops)
+        # A packed copy even when tied (the embedding gathers rows of the plain one): see ops._MIN_ROWS.
+        self.head = HeadWeight(ops.pack(self.lm_head))
 
     def forward(
         self,
@@ -151,35 +124,23 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Packed tokens (T,) -> float32 logits (S, vocab) of the tokens at meta.last_token_index.
 
-        On CUDA with triton (`mixserve.kernels.use_triton`) the layers run fused Triton kernels; elsewhere
-        eager PyTorch. Either way no host sync, so CUDA graphs can capture it."""
+        No host sync, so CUDA graphs can capture it."""
+        ops = self.ops
+        if ops.triton and not kernels.enabled():  # kernels.set_enabled(False) after start-up: eager ops
+            ops = torch_ops()
         hidden = F.embedding(input_ids, self.embed)
-        if use_triton(hidden) and self.config.hidden_size <= NORM_MAX_HIDDEN:
-            hidden = self._last_hidden_fused(hidden, meta, kv_caches, attn)
-        else:
-            hidden = self._last_hidden(hidden, meta, kv_caches, attn)
-        return F.linear(hidden, self.lm_head).float()
-
-    def _last_hidden(self, hidden: Tensor, meta: AttentionMetadata, kv_caches: KVCaches,
-                    attn: AttentionBackend) -> Tensor:
-        """Eager PyTorch layers, then the final norm of each sequence's last token: (S, H)."""
-        cos, sin = self.rotary.lookup(meta.positions)
+        rot = ops.rotary_state(self.rotary, meta.positions)
+        residual: Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, k_cache, v_cache, attn, meta)
-        return rms_norm(hidden[meta.last_token_index], self.norm, self.config.rms_norm_eps)
-
-    def _last_hidden_fused(self, hidden: Tensor, meta: AttentionMetadata, kv_caches: KVCaches,
-                          attn: AttentionBackend) -> Tensor:
-        """Fused Triton layers; the last layer's residual add fuses into the final norm: (S, H)."""
-        ops = fused_ops()
-        residual: torch.Tensor | None = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer.forward_fused(hidden, residual, self.rotary, k_cache, v_cache, attn,
-                                                   meta)
+            hidden, residual = layer(hidden, residual, rot, k_cache, v_cache, attn, meta, ops)
+        # Only each sequence's last token goes on: the last residual add fuses into the final norm.
         last, eps = meta.last_token_index, self.config.rms_norm_eps
         if residual is None:  # a model without layers
-            return ops.rms_norm(hidden[last], self.norm, eps)
-        return ops.add_rms_norm(hidden[last], residual[last], self.norm, eps)[0]
+            hidden = ops.rms_norm(hidden[last], self.norm, eps)
+        else:
+            hidden = ops.add_rms_norm(hidden[last], residual[last], self.norm, eps)[0]
+        lm_head = self.head.lm_head if ops is self.ops else self.lm_head
+        return ops.linear(hidden, lm_head, None).float()
 
     @torch.no_grad()
     def load_hf_weights(self, sd: Mapping[str, torch.Tensor], where: str, inv_freq=None) -> None:

@@ -12,6 +12,7 @@ from mixserve.model.attention.base import AttentionBackend, packed_tokens
 from mixserve.model.config import ModelConfig
 from mixserve.model.llama import LlamaModel
 from mixserve.model.loader import load_model
+from mixserve.model.ops import CpuFeatures, LayerOps, cpu_features, log_bf16_on_cpu, select_ops
 from mixserve.model.tokenizer import Tokenizer
 from mixserve.runner.kv_cache import KVCache, num_blocks_for_memory
 
@@ -80,6 +81,14 @@ class ModelRunner:
             from mixserve.kernels.self_check import check_or_disable
 
             self.kernels_off_reason = check_or_disable(self.device, self.dtype)
+        # The layer ops, decided once here and handed to the model (which packs its weights for them): the
+        # Triton set on CUDA, prepacked oneDNN linears on a CPU (mixserve/model/ops.py).
+        self.cpu_features: CpuFeatures | None = None
+        if self.device.type == "cpu":
+            self.cpu_features = cpu_features()
+            log_bf16_on_cpu(self.cpu_features, self.dtype)
+        self.ops: LayerOps = select_ops(self.device, self.dtype, self.config.hidden_size)
+        model.prepare(self.ops)
         self.graphs = None  # DecodeGraphs (runner/cuda_graph.py): decode-only steps replay CUDA graphs
         if cuda_graphs and on_cuda:
             from mixserve.kernels import use_triton
@@ -117,7 +126,7 @@ class ModelRunner:
             raise ValueError(f"num_blocks must be 0 (size from memory) or positive, got {num_blocks}")
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
-        attention = get_backend(attention_backend, dev)
+        attention = get_backend(attention_backend, dev, dt)
         loaded = load_model(model, device=dev, dtype=dt)
         if num_blocks == 0:
             num_blocks = num_blocks_for_memory(loaded.config, block_size, dt, dev, kv_cache_gib,

@@ -98,7 +98,9 @@ def test_static_buffer_decode_matches_the_eager_runner(tiny_model_dir, triton, p
         from mixserve import kernels
 
         monkeypatch.setattr(kernels, "use_triton", lambda t: True)
-        monkeypatch.setattr("mixserve.model.llama.use_triton", lambda t: True)
+        from mixserve.model.ops import triton_ops
+
+        runner.model.prepare(triton_ops())
     graphed = graphs.run(decodes)  # 3 rows padded to 4
     assert graphed.shape == eager.shape
     torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-4)

@@ -11,7 +11,6 @@ import torch
 
 from mixserve import kernels
 from mixserve.core import ForwardBatch, ForwardSeq
-from mixserve.model import llama
 from mixserve.runner import ModelRunner
 from tests.kernels.test_fused_ops import _two_mixed_steps
 
@@ -23,14 +22,15 @@ def _steps() -> list[ForwardBatch]:
     return [*_two_mixed_steps(), decodes]
 
 
-def _run(path: Path, backend: str) -> list[torch.Tensor]:
+def _run(path: Path, backend: str, ops: str) -> list[torch.Tensor]:
     runner = ModelRunner.from_pretrained(str(path), num_blocks=12, block_size=4, device="cpu",
                                          dtype="float32", attention_backend=backend, cuda_graphs=False)
+    assert runner.ops.name.startswith(ops)
     return [runner.forward(batch).clone() for batch in _steps()]
 
 
 def test_cuda_path_equals_the_torch_runner(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    reference = _run(tiny_model_dir, "torch")
+    reference = _run(tiny_model_dir, "torch", "cpu")
     launched: list[str] = []
     from mixserve.kernels import paged_attention, varlen_attention
 
@@ -39,9 +39,9 @@ def test_cuda_path_equals_the_torch_runner(tiny_model_dir: Path, monkeypatch: py
         real = getattr(module, name)
         monkeypatch.setattr(module, name,
                             lambda *a, _real=real, _name=name, **k: launched.append(_name) or _real(*a, **k))
-    monkeypatch.setattr(kernels, "use_triton", lambda t: True)  # as on CUDA with triton
-    monkeypatch.setattr(llama, "use_triton", lambda t: True)
-    cuda_path = _run(tiny_model_dir, "flex")
+    # As on CUDA with triton: the runner then picks the Triton layer ops at start-up too.
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    cuda_path = _run(tiny_model_dir, "flex", "triton")
     assert {"paged_decode_attention", "store_kv", "paged_varlen_attention"} <= set(launched)
     for want, got in zip(reference, cuda_path, strict=True):
         torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)

@@ -26,7 +26,7 @@ from mixserve.kernels.norm import (  # noqa: E402
     rms_norm_reference,
 )
 from mixserve.kernels.rope import rotary_qk_, rotary_qk_reference  # noqa: E402
-from mixserve.model import llama  # noqa: E402
+from mixserve.model import ops as model_ops  # noqa: E402
 from mixserve.model.rope import apply_rotary  # noqa: E402
 
 ON_CUDA = torch.cuda.is_available()
@@ -51,7 +51,7 @@ def _weight(hidden: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize(("tokens", "hidden"), [(1, 576), (37, 96), (5, 8192)])
 def test_rms_norm_matches_the_model(dtype: torch.dtype, tokens: int, hidden: int) -> None:
     x, w = _rows(tokens, hidden, dtype, seed=1), _weight(hidden, dtype)
-    expected = llama.rms_norm(x, w, EPS)
+    expected = model_ops.rms_norm(x, w, EPS)
     assert torch.equal(rms_norm_reference(x, w, EPS), expected)
     out = rms_norm(x, w, EPS)
     assert out.dtype == dtype and out.shape == x.shape
@@ -65,10 +65,10 @@ def test_add_rms_norm_adds_in_the_dtype_then_normalises(dtype: torch.dtype, toke
     x_before, residual_before = x.clone(), residual.clone()
     out, residual_out = add_rms_norm(x, residual, w, EPS)
     assert torch.equal(residual_out, x_before + residual_before)  # rounded once, like the eager add
-    torch.testing.assert_close(out, llama.rms_norm(x_before + residual_before, w, EPS))
+    torch.testing.assert_close(out, model_ops.rms_norm(x_before + residual_before, w, EPS))
     ref_out, ref_residual = add_rms_norm_reference(x_before, residual_before, w, EPS)
     assert torch.equal(ref_residual, residual_out)
-    assert torch.equal(ref_out, llama.rms_norm(ref_residual, w, EPS))
+    assert torch.equal(ref_out, model_ops.rms_norm(ref_residual, w, EPS))
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)  # inputs left alone
 
 
@@ -76,7 +76,7 @@ def test_rms_norm_reads_rows_by_their_stride() -> None:
     wide = _rows(7, 200, torch.float32, seed=4)
     x = wide[:, 50:146]  # (7, 96), row stride 200
     w = _weight(96, torch.float32)
-    torch.testing.assert_close(rms_norm(x, w, EPS), llama.rms_norm(x.contiguous(), w, EPS))
+    torch.testing.assert_close(rms_norm(x, w, EPS), model_ops.rms_norm(x.contiguous(), w, EPS))
 
 
 def test_norm_rejects_what_it_cannot_read() -> None:
@@ -166,18 +166,19 @@ MODEL_TOLERANCE = {"float32": 2e-5, "float16": 5e-3, "bfloat16": 5e-2}
 @pytest.mark.parametrize("dtype", ["float32", "float16"] + (["bfloat16"] if ON_CUDA else []))
 def test_model_fused_path_matches_eager(tiny_model_dir: Path, dtype: str,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from mixserve.kernels import norm
     from mixserve.runner import ModelRunner
 
     runner = ModelRunner.from_pretrained(str(tiny_model_dir), num_blocks=12, block_size=4, device=DEVICE,
                                          dtype=dtype, attention_backend="torch", cuda_graphs=False)
-    # Only the model's switch is patched (not mixserve.kernels.use_triton): the attention stays as it is.
-    monkeypatch.setattr(llama, "use_triton", lambda t: False)
+    # Only the model's ops change (the runner decided them at start-up): the attention stays as it is.
+    runner.model.prepare(model_ops.torch_ops())
     eager = [runner.forward(batch).clone() for batch in _two_mixed_steps()]
 
     calls = []
-    real_fused_ops = llama.fused_ops
-    monkeypatch.setattr(llama, "use_triton", lambda t: True)
-    monkeypatch.setattr(llama, "fused_ops", lambda: calls.append(1) or real_fused_ops())
+    real = norm.add_rms_norm
+    monkeypatch.setattr(norm, "add_rms_norm", lambda *a: calls.append(1) or real(*a))
+    runner.model.prepare(model_ops.triton_ops.__wrapped__())  # a fresh set: it takes the spy above
     fused = [runner.forward(batch).clone() for batch in _two_mixed_steps()]
 
     assert calls  # the fused path ran
@@ -200,15 +201,11 @@ def test_cpu_forward_never_imports_triton(tiny_model_dir: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def test_a_model_wider_than_the_norm_kernel_keeps_the_eager_layers(tiny_model_dir: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from mixserve.runner import ModelRunner
+def test_a_model_wider_than_the_norm_kernel_keeps_the_eager_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mixserve import kernels
 
-    runner = ModelRunner.from_pretrained(str(tiny_model_dir), num_blocks=12, block_size=4, device=DEVICE,
-                                         dtype="float32", attention_backend="torch", cuda_graphs=False)
-    calls: list[int] = []
-    monkeypatch.setattr(llama, "use_triton", lambda t: True)
-    monkeypatch.setattr(llama, "fused_ops", lambda: calls.append(1))
-    monkeypatch.setattr(llama, "NORM_MAX_HIDDEN", runner.config.hidden_size - 1)
-    runner.forward(_two_mixed_steps()[0])
-    assert calls == []  # the eager layers ran: a fused layer would have asked for the kernels
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)  # as on CUDA with triton
+    cpu = torch.device("cpu")
+    assert model_ops.select_ops(cpu, torch.float32, kernels.NORM_MAX_HIDDEN).triton
+    wide = model_ops.select_ops(cpu, torch.float32, kernels.NORM_MAX_HIDDEN + 1)
+    assert not wide.triton  # a row the norm kernel cannot hold: the eager layers run

@@ -1,0 +1,228 @@
+"""The decoder layer's ops (linear, norms, SwiGLU, RoPE): one frozen set per device, picked once at start-up.
+
+Three sets: `torch_ops()` (plain PyTorch, the reference), `cpu_ops(dtype)` (linears through oneDNN on weights
+reordered once at load, torch for the rest) and `triton_ops()` (mixserve/kernels, CUDA). The model runs
+whichever set `LlamaModel.prepare(ops)` was handed; one layer body serves all three.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mixserve import kernels
+from mixserve.model.rope import RotaryTable, apply_rotary
+
+log = logging.getLogger("mixserve")
+
+Rotary = tuple[Tensor, ...]  # what `rotary_state` builds once per forward and `rotary` reads in every layer
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """What a decoder layer calls. `pack` turns a loaded weight into what `linear` takes (once, at load)."""
+
+    name: str
+    pack: Callable[[Tensor], Any]
+    linear: Callable[[Tensor, Any, Tensor | None], Tensor]
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]
+    # (x, residual, weight, eps) -> (norm(x + residual), x + residual): the residual stream rides along
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
+    silu_and_mul: Callable[[Tensor], Tensor]
+    rotary_state: Callable[[RotaryTable, Tensor], Rotary]
+    # (q (T, Hq, D), k (T, Hkv, D), state) -> rotated (q, k); the Triton set rotates in place
+    rotary: Callable[[Tensor, Tensor, Rotary], tuple[Tensor, Tensor]]
+    triton: bool = False  # runs mixserve/kernels: `kernels.set_enabled(False)` later swaps in torch_ops()
+
+
+# ---- the torch set ---------------------------------------------------------------------------------------
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm computed in float32 like HF, then scaled in the weight's dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual add in the model's dtype (as HF adds it), then RMSNorm of the sum."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _lookup(table: RotaryTable, positions: Tensor) -> Rotary:
+    return table.lookup(positions)  # gathered once per forward, not once per layer
+
+
+def _rotary(q: Tensor, k: Tensor, state: Rotary) -> tuple[Tensor, Tensor]:
+    cos, sin = state
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def _identity(w: Tensor) -> Tensor:
+    return w
+
+
+@functools.cache
+def torch_ops() -> LayerOps:
+    """Plain PyTorch: F.linear on the loaded weights. The reference, and what fp16 on a CPU runs."""
+    return LayerOps(name="torch", pack=_identity, linear=F.linear, rms_norm=rms_norm,
+                    add_rms_norm=add_rms_norm, silu_and_mul=silu_and_mul, rotary_state=_lookup,
+                    rotary=_rotary)
+
+
+# ---- the CPU set: oneDNN linears on weights reordered once ----------------------------------------------
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight in oneDNN's blocked layout (an opaque mkldnn tensor), and the plain one for tiny batches."""
+
+    plain: Tensor
+    packed: Tensor
+    min_rows: int  # fewer rows than this run F.linear on `plain` (faster there, see _MIN_ROWS)
+
+
+# Rows from which the packed GEMM beats F.linear (MKL), per dtype; measured on this Xeon (AVX512-BF16, AMX),
+# 2 threads, min of interleaved calls, ms, F.linear -> oneDNN on a weight reordered with batch_size=None:
+#   fp32 qkv 960x576      rows 1: 0.034 -> 0.082   32: 0.231 -> 0.192   256: 0.995 -> 1.075
+#   fp32 gate_up 3072x576 rows 1: 0.149 -> 0.197   32: 0.796 -> 0.663   64: 1.053 -> 1.022
+#   fp32 down 576x1536    rows 1: 0.053 -> 0.129   32: 0.553 -> 0.371
+#   bf16 (1 thread)       every shape and row count 20-40% faster packed, rows 1 included
+# (bench/cpu_gemm.py prints the whole table.) MKL's own packed GEMM (torch.ops.mkl._mkl_linear, inductor's)
+# only helps at exactly the batch size it was packed for, so it is not used.
+_MIN_ROWS = {torch.float32: 2, torch.bfloat16: 1}
+
+
+def mkldnn_linear_available(dtype: torch.dtype) -> str | None:
+    """None when the prepacked oneDNN linear works for `dtype` here, else why not (one line)."""
+    if dtype not in _MIN_ROWS:
+        return f"no packed oneDNN linear for {dtype} (float32 and bfloat16 only)"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch was built without oneDNN (mkldnn)"
+    try:
+        w, x = torch.ones(4, 8, dtype=dtype), torch.ones(3, 8, dtype=dtype)
+        got = _packed_linear(x, _pack(w, dtype), None)
+    except (AttributeError, RuntimeError, NotImplementedError) as e:  # an older torch lacks the ops
+        return f"torch.ops.mkldnn linear ops unusable: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    if not torch.equal(got.float(), torch.full((3, 4), 8.0)):
+        return "torch.ops.mkldnn._linear_pointwise gave a wrong result"
+    return None
+
+
+def _pack(w: Tensor, dtype: torch.dtype) -> PackedWeight:
+    # batch_size=None: a layout for any row count (one reordered copy serves decode and prefill alike).
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+    return PackedWeight(plain=w, packed=packed, min_rows=_MIN_ROWS[dtype])
+
+
+def _packed_linear(x: Tensor, w: PackedWeight, bias: Tensor | None) -> Tensor:
+    if x.shape[0] < w.min_rows:
+        return F.linear(x, w.plain, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, w.packed, bias, "none", [], "")
+
+
+def cpu_ops(dtype: torch.dtype) -> LayerOps:
+    """The CPU set for `dtype`: prepacked oneDNN linears where they work, else torch_ops() (warns once why,
+    unless the dtype simply has none: fp16)."""
+    reason = mkldnn_linear_available(dtype)
+    if reason is not None:
+        if dtype in _MIN_ROWS:
+            warnings.warn(f"CPU linears run F.linear, not the prepacked oneDNN path: {reason}",
+                          RuntimeWarning, stacklevel=2)
+        return torch_ops()
+    return LayerOps(name=f"cpu-onednn-{str(dtype).removeprefix('torch.')}",
+                    pack=functools.partial(_pack, dtype=dtype), linear=_packed_linear, rms_norm=rms_norm,
+                    add_rms_norm=add_rms_norm, silu_and_mul=silu_and_mul, rotary_state=_lookup,
+                    rotary=_rotary)
+
+
+# ---- the Triton set (CUDA) -------------------------------------------------------------------------------
+
+def _positions_state(table: RotaryTable, positions: Tensor) -> Rotary:
+    return table.cos, table.sin, positions  # the kernel reads the tables at each token's position
+
+
+@functools.cache
+def triton_ops() -> LayerOps:
+    """mixserve/kernels (imports triton, so call it only where `kernels.use_triton` says yes): 2 norm launches
+    (each with the residual add), 1 RoPE in place, 1 SiLU*up per layer; F.linear for the GEMMs (cuBLAS)."""
+    from mixserve.kernels import activation, norm, rope
+
+    def rotary(q: Tensor, k: Tensor, state: Rotary) -> tuple[Tensor, Tensor]:
+        cos, sin, positions = state
+        rope.rotary_qk_(q, k, cos, sin, positions)
+        return q, k
+
+    return LayerOps(name="triton", pack=_identity, linear=F.linear, rms_norm=norm.rms_norm,
+                    add_rms_norm=norm.add_rms_norm, silu_and_mul=activation.silu_and_mul,
+                    rotary_state=_positions_state, rotary=rotary, triton=True)
+
+
+def select_ops(device: torch.device, dtype: torch.dtype, hidden_size: int) -> LayerOps:
+    """The set for this device, decided once at start-up: Triton where the kernels run (CUDA with triton,
+    enabled, a row the norm kernel holds), the prepacked oneDNN set on a CPU, plain torch otherwise."""
+    if kernels.use_triton(torch.empty(0, device=device)) and hidden_size <= kernels.NORM_MAX_HIDDEN:
+        return triton_ops()
+    if device.type == "cpu":
+        return cpu_ops(dtype)
+    return torch_ops()
+
+
+# ---- CPU features -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """What decides whether bf16 GEMMs are fast on this CPU."""
+
+    avx512_bf16: bool  # AVX512-BF16: bf16 dot products (Cooper Lake, Zen 4 and later)
+    amx_bf16: bool  # AMX tiles (Sapphire Rapids and later): bf16 GEMMs several times fp32's rate
+    capability: str  # torch.backends.cpu.get_cpu_capability(): the vector ISA torch's own kernels use
+
+    @property
+    def fast_bf16(self) -> bool:
+        return self.avx512_bf16 or self.amx_bf16
+
+    def __str__(self) -> str:
+        bf16 = [n for n, on in (("avx512_bf16", self.avx512_bf16), ("amx_bf16", self.amx_bf16)) if on]
+        return f"{self.capability}, bf16: {'+'.join(bf16) or 'no native support'}"
+
+
+@functools.cache
+def cpu_features(cpuinfo: str = "/proc/cpuinfo") -> CpuFeatures:
+    """Read the CPU's flags once (Linux); elsewhere neither bf16 feature is claimed."""
+    flags: set[str] = set()
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return CpuFeatures(avx512_bf16="avx512_bf16" in flags, amx_bf16="amx_bf16" in flags,
+                       capability=torch.backends.cpu.get_cpu_capability())
+
+
+def log_bf16_on_cpu(features: CpuFeatures, dtype: torch.dtype) -> bool:
+    """On a CPU without AVX512-BF16 or AMX, say in one line why bf16 is not faster there; True if it did."""
+    if dtype != torch.bfloat16 or features.fast_bf16:
+        return False
+    log.warning("bfloat16 on this CPU (%s) is not faster than float32: without AVX512-BF16 or AMX every bf16 "
+                "GEMM converts to fp32 and runs at the fp32 rate, plus the conversions; dtype float32 (the "
+                "'auto' on a CPU) is as fast and more accurate", features)
+    return True
