@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast lint serve bench bench-full bench-offline bench-forward bench-engine clean
+.PHONY: install test test-fast lint serve bench bench-full bench-offline bench-forward bench-engine bench-serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,14 +41,19 @@ bench: $(STAMP)
 bench-full: $(STAMP)
 	$(BIN)/mixserve bench sweep --prefill-chunk 0,16,64,256 --workload M --out-dir bench/results/full
 
+# VLLM=~/peers-work/vllm/bin/python (../shared/peers/setup_vllm.sh) adds vLLM-CPU's rows to the table
 bench-offline: $(STAMP)
-	$(BIN)/python bench/offline.py
+	$(BIN)/python bench/offline.py $(if $(VLLM),--vllm $(VLLM))
 
 bench-forward: $(STAMP)
 	$(BIN)/python bench/forward.py
 
 bench-engine: $(STAMP)
 	$(BIN)/python bench/engine_overhead.py
+
+# a decode batch of 32 offline against the same through `mixserve serve` (loopback), /health polled meanwhile
+bench-serve: $(STAMP)
+	$(BIN)/python bench/serve_overhead.py --rounds 2
 
 clean:
 	rm -rf $(VENV) build *.egg-info
