@@ -94,18 +94,28 @@ class PackedWeight:
 
     plain: Tensor
     packed: Tensor
-    min_rows: int  # fewer rows than this run F.linear on `plain` (faster there, see _MIN_ROWS)
+    min_rows: int  # fewer rows than this run F.linear on `plain` (faster there: see the table below)
 
 
-# Rows from which the packed GEMM beats F.linear (MKL), per dtype; measured on this Xeon (AVX512-BF16, AMX),
-# 2 threads, min of interleaved calls, ms, F.linear -> oneDNN on a weight reordered with batch_size=None:
-#   fp32 qkv 960x576      rows 1: 0.034 -> 0.082   32: 0.231 -> 0.192   256: 0.995 -> 1.075
-#   fp32 gate_up 3072x576 rows 1: 0.149 -> 0.197   32: 0.796 -> 0.663   64: 1.053 -> 1.022
-#   fp32 down 576x1536    rows 1: 0.053 -> 0.129   32: 0.553 -> 0.371
-#   bf16 (1 thread)       every shape and row count 20-40% faster packed, rows 1 included
-# (bench/cpu_gemm.py prints the whole table.) MKL's own packed GEMM (torch.ops.mkl._mkl_linear, inductor's)
-# only helps at exactly the batch size it was packed for, so it is not used.
-_MIN_ROWS = {torch.float32: 2, torch.bfloat16: 1}
+# Measured on this Xeon (AVX512-BF16, AMX), 2 threads, ms per call, the minimum over interleaved calls
+# (bench/cpu_gemm.py prints the whole table), F.linear -> oneDNN on a weight reordered once with
+# batch_size=None (one layout for every row count; one reordered for exactly M rows is at most ~5% faster):
+#   fp32 qkv 960x576      rows 1: 0.053 -> 0.075   4: 0.097 -> 0.078   32: 0.187 -> 0.174   256: 0.98 -> 0.97
+#   fp32 gate_up 3072x576 rows 1: 0.148 -> 0.190   4: 0.308 -> 0.214   32: 0.620 -> 0.528   128: 1.97 -> 1.75
+#   fp32 down 576x1536    rows 1: 0.086 -> 0.125   4: 0.113 -> 0.126   16: 0.329 -> 0.191   512: 3.15 -> 3.06
+#   fp32 o_proj 576x576   rows 1: 0.037 -> 0.061   8: 0.069 -> 0.072   64: 0.238 -> 0.248   512: 1.22 -> 1.20
+#   fp32 lm_head 49152x576 rows 1: 3.68 -> 3.58    8: 16.8 -> 6.0      64: 39.1 -> 26.5
+#   bf16 qkv              rows 1: 0.111 -> 0.072  32: 0.102 -> 0.075  256: 0.336 -> 0.276  512: 0.683 -> 0.639
+#   bf16 gate_up          rows 2: 0.161 -> 0.106  32: 0.217 -> 0.139  256: 0.539 -> 0.431  512: 0.95 -> 0.77
+#   bf16 down             rows 1: 0.103 -> 0.061  32: 0.119 -> 0.079  256: 0.372 -> 0.310  512: 0.50 -> 0.77
+#   bf16 lm_head          rows 1: 3.52 -> 2.00     8: 3.50 -> 2.15     64: 14.6 -> 8.0
+# So: bf16 packed at every row count; fp32 packed from 4 rows, except that oneDNN's fixed cost per call
+# (~25 us) is lost in a big weight's time, so the LM head is packed from 1 row. (bf16 down at 384-512 rows is
+# the one cell F.linear wins; it loses again at 1024; not worth a per-shape rule.) MKL's own packed GEMM
+# (torch.ops.mkl._mkl_linear, inductor's fp32 path) is 5-20% faster still, but only at exactly the row count
+# it was packed for (other counts fall back to the plain weight), and a step's row count varies.
+_MIN_ROWS = {torch.float32: 4, torch.bfloat16: 1}
+_BIG_WEIGHT = 1 << 23  # elements (32 MiB in fp32) from which oneDNN's fixed cost per call does not matter
 
 
 def mkldnn_linear_available(dtype: torch.dtype) -> str | None:
@@ -116,7 +126,8 @@ def mkldnn_linear_available(dtype: torch.dtype) -> str | None:
         return "this torch was built without oneDNN (mkldnn)"
     try:
         w, x = torch.ones(4, 8, dtype=dtype), torch.ones(3, 8, dtype=dtype)
-        got = _packed_linear(x, _pack(w, dtype), None)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     except (AttributeError, RuntimeError, NotImplementedError) as e:  # an older torch lacks the ops
         return f"torch.ops.mkldnn linear ops unusable: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
     if not torch.equal(got.float(), torch.full((3, 4), 8.0)):
@@ -127,7 +138,7 @@ def mkldnn_linear_available(dtype: torch.dtype) -> str | None:
 def _pack(w: Tensor, dtype: torch.dtype) -> PackedWeight:
     # batch_size=None: a layout for any row count (one reordered copy serves decode and prefill alike).
     packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-    return PackedWeight(plain=w, packed=packed, min_rows=_MIN_ROWS[dtype])
+    return PackedWeight(plain=w, packed=packed, min_rows=1 if w.numel() >= _BIG_WEIGHT else _MIN_ROWS[dtype])
 
 
 def _packed_linear(x: Tensor, w: PackedWeight, bias: Tensor | None) -> Tensor:

@@ -1,0 +1,131 @@
+"""The CPU layer ops (mixserve/model/ops.py): prepacked oneDNN linears against F.linear, the runner's choice
+of ops, the fallback without oneDNN, and the CPU feature check behind the bf16 log line."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixserve.model import ops
+
+ROWS = (1, 3, 4, 17, 64, 300)  # 1 and 3: below fp32's F.linear threshold; the rest packed
+
+
+def _weights(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    return w, (0.1 * torch.randn(n, generator=g)).to(dtype)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear_fp32(rows: int, bias: bool) -> None:
+    cpu = ops.cpu_ops(torch.float32)
+    assert cpu.name == "cpu-onednn-float32"
+    w, b = _weights(960, 576, torch.float32)
+    packed = cpu.pack(w)
+    assert isinstance(packed, ops.PackedWeight) and packed.packed.is_mkldnn
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    want = F.linear(x, w, b if bias else None)
+    got = cpu.linear(x, packed, b if bias else None)
+    # Only the summation order differs from MKL's sgemm: a few ulps of fp32 on K=576 products.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Every row count through oneDNN itself too (the threshold aside), so the packed kernel is checked at 1.
+    forced = ops.PackedWeight(plain=w, packed=packed.packed, min_rows=1)
+    torch.testing.assert_close(ops._packed_linear(x, forced, b if bias else None), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_packed_linear_bf16_within_bf16_rounding(rows: int) -> None:
+    cpu = ops.cpu_ops(torch.bfloat16)
+    w, b = _weights(3072, 576, torch.bfloat16)
+    packed = cpu.pack(w)
+    assert packed.min_rows == 1  # bf16: packed at every row count
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    got = cpu.linear(x, packed, b)
+    assert got.dtype == torch.bfloat16
+    exact = F.linear(x.float(), w.float(), b.float())  # the same bf16 inputs, summed in fp32
+    # fp32 accumulation, then one rounding of the output to bf16 (2^-8 relative) and of the bias add:
+    # a few bf16 ulps of the output's scale (|y| ~ 1 here).
+    torch.testing.assert_close(got.float(), exact, rtol=1.6e-2, atol=1.6e-2)
+    assert float((got.float() - exact).abs().mean()) < 4e-3
+
+
+def test_the_lm_head_is_packed_from_one_row() -> None:
+    w, _ = _weights(49152, 576, torch.float32)
+    assert ops.cpu_ops(torch.float32).pack(w).min_rows == 1
+    assert ops.cpu_ops(torch.float32).pack(w[:960]).min_rows == ops._MIN_ROWS[torch.float32]
+
+
+def test_the_runner_packs_the_tiny_model_on_cpu(tiny_model_dir: Path) -> None:
+    from mixserve.runner import ModelRunner
+
+    runner = ModelRunner.from_pretrained(str(tiny_model_dir), num_blocks=8, block_size=4)
+    assert runner.ops.name == "cpu-onednn-float32"
+    assert runner.model.ops is runner.ops
+    assert runner.cpu_features is not None
+    layer = runner.model.layers[0]
+    for w in (layer.packed.qkv, layer.packed.o_proj, layer.packed.gate_up, layer.packed.down):
+        assert isinstance(w, ops.PackedWeight) and w.packed.is_mkldnn
+    assert isinstance(runner.model.head.lm_head, ops.PackedWeight)
+    # The parameters (state dict, weight bytes) are still just the loaded weights, once each.
+    names = [n for n, _ in runner.model.named_parameters()]
+    assert not any("packed" in n or "head." in n for n in names)
+
+
+def test_fp16_on_cpu_runs_the_torch_ops_without_a_warning(recwarn: pytest.WarningsRecorder) -> None:
+    assert ops.cpu_ops(torch.float16) is ops.torch_ops()
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def test_without_onednn_the_cpu_falls_back_to_f_linear_with_one_warning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    with pytest.warns(RuntimeWarning, match="oneDNN") as caught:
+        chosen = ops.select_ops(torch.device("cpu"), torch.float32, 576)
+    assert len(caught) == 1
+    assert chosen is ops.torch_ops()
+
+
+def test_missing_mkldnn_ops_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing(*args: object) -> None:
+        raise AttributeError("'_OpNamespace' 'mkldnn' object has no attribute '_reorder_linear_weight'")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", missing)
+    reason = ops.mkldnn_linear_available(torch.float32)
+    assert reason is not None and "AttributeError" in reason
+    with pytest.warns(RuntimeWarning, match="_reorder_linear_weight"):
+        assert ops.cpu_ops(torch.float32) is ops.torch_ops()
+
+
+@pytest.mark.parametrize(
+    ("flags", "fast"),
+    [("fpu sse2 avx2 fma", False), ("avx2 avx512f avx512_bf16", True),
+     ("avx2 avx512f amx_bf16 amx_tile", True)],
+)
+def test_cpu_features_and_the_bf16_log_line(tmp_path: Path, flags: str, fast: bool,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: test\nflags\t\t: {flags}\n\n"
+                    f"processor\t: 1\nflags\t: {flags}\n")
+    features = ops.cpu_features.__wrapped__(str(info))
+    assert features.fast_bf16 is fast
+    with caplog.at_level(logging.WARNING, logger="mixserve"):
+        assert ops.log_bf16_on_cpu(features, torch.float32) is False  # fp32: nothing to say
+        assert ops.log_bf16_on_cpu(features, torch.bfloat16) is not fast
+    lines = [r.getMessage() for r in caplog.records if r.name == "mixserve"]
+    if fast:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and "AVX512-BF16 or AMX" in lines[0] and "not faster" in lines[0]
+
+
+def test_this_machines_flags_are_read() -> None:
+    features = ops.cpu_features()
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    assert features.amx_bf16 == (" amx_bf16" in flags)
+    assert features.avx512_bf16 == (" avx512_bf16" in flags)
