@@ -3,7 +3,9 @@
 N (32) requests of the same random prompts (64 tokens, seed 0), 48 output tokens each, greedy, ignore_eos,
 all at once, run both ways, one after the other (`--rounds R` alternates them R times and keeps each side's
 best round), each in a process of its own:
-- offline: LLM.generate in a child process, with the step trace on;
+- offline: LLM.generate in a child process, with the step trace on, on the thread that loaded the model
+  as users call it (`--offline-thread`: from a fresh thread, as the server steps; on the 2-core Xeon the
+  loading thread's decode steps took ~1.5x a fresh thread's, in CPU time, not waiting: compare both);
 - served: a `mixserve serve` subprocess on 127.0.0.1 with the step trace on, N concurrent streaming
   /v1/completions from this process, and /health polled every 20 ms from a thread meanwhile.
 From each step trace: the steps that decode all N sequences and prefill nothing; their duration (the step's
@@ -43,7 +45,7 @@ from mixserve.config import add_engine_flags  # noqa: E402
 HERE = Path(__file__).resolve().parent
 MAX_STEP_RATIO, MAX_HEALTH_P99_S = 1.15, 0.050
 OWN_FLAGS = {"--out": 1, "--rounds": 1, "--health-interval": 1, "--timeout": 1, "--offline-child": 1}
-WORKLOAD_FLAGS = {"--num-requests": 1, "--prompt-len": 1, "--output-tokens": 1}
+WORKLOAD_FLAGS = {"--num-requests": 1, "--prompt-len": 1, "--output-tokens": 1, "--offline-thread": 0}
 
 
 def prompts(n: int, length: int, vocab: int = 49152) -> list[list[int]]:
@@ -76,7 +78,13 @@ def offline_child(args: argparse.Namespace) -> int:
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                  use_tqdm=False)  # warm-up, as the served run has one; its steps are of one sequence
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts(args.num_requests, args.prompt_len, llm.engine.vocab_size), params)
+    batch = prompts(args.num_requests, args.prompt_len, llm.engine.vocab_size)
+    if args.offline_thread:  # step from a fresh thread, as the server's step thread does
+        worker = threading.Thread(target=llm.generate, args=(batch, params))
+        worker.start()
+        worker.join()
+    else:
+        llm.generate(batch, params)  # as users call it: on the thread that loaded the model
     llm.engine.close()
     return 0
 
@@ -161,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                         "each side's best round is reported")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run at most")
     parser.add_argument("--out", default=str(HERE / "results" / "serve_overhead.json"))
+    parser.add_argument("--offline-thread", action="store_true",
+                        help="offline, step from a fresh thread (as the server does), not the loading one")
     parser.add_argument("--offline-child", metavar="TRACE", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.offline_child:
