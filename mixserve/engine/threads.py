@@ -20,8 +20,11 @@ exactly as it took it from the master, and it could not move to a core the kerne
 steps, during the GIL-held Python parts of a step, when another engine's workers sleep). Left free, the
 kernel puts it wherever there is slack. Offline (`LLM.generate`) the calling thread is the model's
 thread, so its first step() binds it again (the pool it started while loading is re-pinned as it was).
-`bench/serve_overhead.py` (`make bench-serve`) measures the result: a decode step through the server
-against the same step offline, and /health latency during the run.
+`bench/serve_overhead.py` (`make bench-serve`) measures it: a decode step through the server against the
+same step offline, and /health latency meanwhile. On the shared 2-core Xeon (noisy: a step's time moved
+2x from minute to minute), 32 streams decoding, three rounds each, old and new interleaved: the served
+decode period p50 was 290-313 ms with the loop pinned to the compute core and 220-278 ms with it free;
+/health p99 13-17 ms pinned, 13-14 ms free (both under 50 ms).
 """
 
 from __future__ import annotations
