@@ -176,12 +176,13 @@ class Floors:
         ]
 
 
-def floors(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> Floors:
-    """All four floors, measured now (the copy and the GEMMs: a few seconds)."""
+def floors(cfg: ModelConfig, dtype: torch.dtype = torch.float32, copy_gb_s: float | None = None) -> Floors:
+    """All four floors, measured now (the copy and the GEMMs: a few seconds); `copy_gb_s` reuses a copy
+    bandwidth measured already, so two dtypes' lines divide by the same figure."""
     return Floors(
         cpu_flags=cpu_flags(),
         torch_threads=torch.get_num_threads(),
-        copy_bandwidth_gb_s=copy_bandwidth() / 1e9,
+        copy_bandwidth_gb_s=copy_gb_s or copy_bandwidth() / 1e9,
         parameters=parameter_count(cfg),
         weight_bytes=weight_bytes(cfg, dtype),
         dtype=str(dtype).removeprefix("torch."),

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(cfg.threads)
     model = model_config(cfg.model or None)
     floor32 = floors(model, torch.float32)
-    floor16 = floors(model, torch.bfloat16)
+    floor16 = floors(model, torch.bfloat16, copy_gb_s=floor32.copy_bandwidth_gb_s)
     fast_bf16 = has_fast_bf16(floor32.cpu_flags)
     print("\n".join([*floor32.lines(), *floor16.lines()[2:]]), flush=True)
     print(f"workload W: {args.num_requests} requests, {args.output_tokens} output tokens each, greedy, "
