@@ -45,6 +45,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--rows", nargs="*", type=int, default=list(ROWS))
+    ap.add_argument("--copies", type=int, default=1,
+                    help="cycle through this many copies of each weight: 30 (the model's layers) times the "
+                         "weights coming from memory, as in a forward, rather than hot in the cache")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -53,19 +56,24 @@ def main() -> None:
     print(f"dtype {dtype}  threads {torch.get_num_threads()}  cpu {torch.backends.cpu.get_cpu_capability()}")
     for name in args.shapes:
         n, k = SHAPES[name]
-        w = (torch.randn(n, k) / k**0.5).to(dtype)
-        packed = dnn._reorder_linear_weight(w, None)
+        ws = [(torch.randn(n, k) / k**0.5).to(dtype) for _ in range(args.copies)]
+        packed = [dnn._reorder_linear_weight(w, None) for w in ws]
         for m in args.rows:
             x = torch.randn(m, k).to(dtype)
+            exact = [dnn._reorder_linear_weight(w, m) for w in ws]
+
+            def cycle(call: Callable[[int], object], c: int = len(ws)) -> Callable[[], object]:
+                turn = iter(range(1 << 62))
+                return lambda: call(next(turn) % c)
+
             fns: dict[str, Callable[[], object]] = {
-                "F": lambda x=x, w=w: F.linear(x, w),
-                "dnn": lambda x=x, p=packed: dnn._linear_pointwise(x, p, None, "none", [], ""),
+                "F": cycle(lambda i, x=x: F.linear(x, ws[i])),
+                "dnn": cycle(lambda i, x=x: dnn._linear_pointwise(x, packed[i], None, "none", [], "")),
+                "dnn@M": cycle(lambda i, x=x, p=exact: dnn._linear_pointwise(x, p[i], None, "none", [], "")),
             }
-            exact = dnn._reorder_linear_weight(w, m)
-            fns["dnn@M"] = lambda x=x, p=exact: dnn._linear_pointwise(x, p, None, "none", [], "")
             if dtype == torch.float32:
-                mp = mkl._mkl_reorder_linear_weight(w, m)
-                fns["mkl@M"] = lambda x=x, p=mp, w=w, m=m: mkl._mkl_linear(x, p, w, None, m)
+                mp = [mkl._mkl_reorder_linear_weight(w, m) for w in ws]
+                fns["mkl@M"] = cycle(lambda i, x=x, p=mp, m=m: mkl._mkl_linear(x, p[i], ws[i], None, m))
             flops = 2 * m * n * k
             rounds = max(5, min(args.rounds, int(args.rounds * 3e8 / flops)))
             ms = best_ms(fns, rounds)

@@ -23,9 +23,10 @@ from mixserve.model.ops import torch_ops
 from mixserve.runner.model_runner import ModelRunner
 
 
-def medians_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median ms per contender, timed in turns (one call each per round): on a shared, noisy machine
-    the load then falls on all of them alike."""
+def medians_ms(fns: dict[str, Callable[[], object]], repeats: int,
+               stat: Callable[[list[float]], float] = statistics.median) -> dict[str, float]:
+    """Median (or `stat`) ms per contender, timed in turns (one call each per round): on a shared, noisy
+    machine the load then falls on all of them alike."""
     for fn in fns.values():
         fn()  # warm-up: first-touch allocations, oneDNN primitive creation
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -34,7 +35,7 @@ def medians_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: 1000 * statistics.median(ts) for name, ts in times.items()}
+    return {name: 1000 * stat(ts) for name, ts in times.items()}
 
 
 def main() -> None:
@@ -46,6 +47,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16, ours and HF's alike")
     ap.add_argument("--torch-ops", action="store_true",
                     help="also time a second runner on the plain torch ops (F.linear, no prepacking)")
+    ap.add_argument("--min", action="store_true",
+                    help="report the fastest repeat, not the median (on a busy machine)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -89,7 +92,7 @@ def main() -> None:
                     hf(x, use_cache=False, logits_to_keep=1)
 
             fns["hf"] = hf_forward
-        ms = medians_ms(fns, reps)
+        ms = medians_ms(fns, reps, min if args.min else statistics.median)
         ours, b, theirs = ms["ours"], ms.get("base", float("nan")), ms.get("hf", float("nan"))
         print(f"{t:>6} {ours:>10.1f} {b:>10.1f} {b / ours:>10.2f} {theirs:>10.1f} {theirs / ours:>8.2f} "
               f"{1000 * t / ours:>11.0f}", flush=True)

@@ -80,10 +80,9 @@ class DecoderLayer(nn.Module):
             x, residual = ops.add_rms_norm(hidden, residual, self.input_norm, self.eps)
         qkv = ops.linear(x, w.qkv, self.qkv_bias)
         # Strided views into qkv (strides (W, D, 1)): nothing is copied; the Triton RoPE rotates in place.
-        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary(q, k, rot)
+        q, k = ops.rotary(qk, self.num_heads, rot)
         o = attn.forward(q, k, v, k_cache, v_cache, meta)
         hidden = ops.linear(o.reshape(t, self.q_size), w.o_proj, None)
         x, residual = ops.add_rms_norm(hidden, residual, self.post_norm, self.eps)

@@ -38,8 +38,8 @@ class LayerOps:
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
     silu_and_mul: Callable[[Tensor], Tensor]
     rotary_state: Callable[[RotaryTable, Tensor], Rotary]
-    # (q (T, Hq, D), k (T, Hkv, D), state) -> rotated (q, k); the Triton set rotates in place
-    rotary: Callable[[Tensor, Tensor, Rotary], tuple[Tensor, Tensor]]
+    # (qk (T, Hq + Hkv, D): q's heads then k's, Hq, state) -> rotated (q, k); the Triton set rotates in place
+    rotary: Callable[[Tensor, int, Rotary], tuple[Tensor, Tensor]]
     triton: bool = False  # runs mixserve/kernels: `kernels.set_enabled(False)` later swaps in torch_ops()
 
 
@@ -69,9 +69,10 @@ def _lookup(table: RotaryTable, positions: Tensor) -> Rotary:
     return table.lookup(positions)  # gathered once per forward, not once per layer
 
 
-def _rotary(q: Tensor, k: Tensor, state: Rotary) -> tuple[Tensor, Tensor]:
+def _rotary(qk: Tensor, num_q_heads: int, state: Rotary) -> tuple[Tensor, Tensor]:
     cos, sin = state
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    rotated = apply_rotary(qk, cos, sin)  # q and k in one go: half the small ops of a decode step's RoPE
+    return rotated[:, :num_q_heads], rotated[:, num_q_heads:]
 
 
 def _identity(w: Tensor) -> Tensor:
@@ -94,7 +95,7 @@ class PackedWeight:
 
     plain: Tensor
     packed: Tensor
-    min_rows: int  # fewer rows than this run F.linear on `plain` (faster there: see the table below)
+    min_rows: int  # from 2 rows to fewer than this, F.linear on `plain` (faster there: see the table below)
 
 
 # Measured on this Xeon (AVX512-BF16, AMX), 2 threads, ms per call, the minimum over interleaved calls
@@ -109,11 +110,15 @@ class PackedWeight:
 #   bf16 gate_up          rows 2: 0.161 -> 0.106  32: 0.217 -> 0.139  256: 0.539 -> 0.431  512: 0.95 -> 0.77
 #   bf16 down             rows 1: 0.103 -> 0.061  32: 0.119 -> 0.079  256: 0.372 -> 0.310  512: 0.50 -> 0.77
 #   bf16 lm_head          rows 1: 3.52 -> 2.00     8: 3.50 -> 2.15     64: 14.6 -> 8.0
-# So: bf16 packed at every row count; fp32 packed from 4 rows, except that oneDNN's fixed cost per call
-# (~25 us) is lost in a big weight's time, so the LM head is packed from 1 row. (bf16 down at 384-512 rows is
-# the one cell F.linear wins; it loses again at 1024; not worth a per-shape rule.) MKL's own packed GEMM
-# (torch.ops.mkl._mkl_linear, inductor's fp32 path) is 5-20% faster still, but only at exactly the row count
-# it was packed for (other counts fall back to the plain weight), and a step's row count varies.
+# Those weights sit hot in the cache; in a forward each layer's weights come from memory, and there one row
+# (a decode of one sequence, the LM head of one) is a GEMV that aten's torch.mv does best (30 copies cycled,
+# ms, F.linear / oneDNN / torch.mv): bf16 qkv 0.065 / 0.060 / 0.050, gate_up 0.194 / 0.165 / 0.125,
+# lm_head 3.62 / 2.11 / 1.89; fp32 qkv 0.049 / 0.102 / 0.047, down 0.091 / 0.165 / 0.081.
+# So: 1 row torch.mv; bf16 packed from 2 rows; fp32 packed from 4 rows, except that oneDNN's fixed cost per
+# call (~25 us) is lost in a big weight's time, so the LM head is packed from 2 rows. (bf16 down at 384-512
+# rows is the one cell F.linear wins; it loses again at 1024; not worth a per-shape rule.) MKL's own packed
+# GEMM (torch.ops.mkl._mkl_linear, inductor's fp32 path) is 5-20% faster still, but only at exactly the row
+# count it was packed for (other counts fall back to the plain weight), and a step's row count varies.
 _MIN_ROWS = {torch.float32: 4, torch.bfloat16: 1}
 _BIG_WEIGHT = 1 << 23  # elements (32 MiB in fp32) from which oneDNN's fixed cost per call does not matter
 
@@ -142,7 +147,11 @@ def _pack(w: Tensor, dtype: torch.dtype) -> PackedWeight:
 
 
 def _packed_linear(x: Tensor, w: PackedWeight, bias: Tensor | None) -> Tensor:
-    if x.shape[0] < w.min_rows:
+    rows = x.shape[0]
+    if rows == 1:  # a GEMV: aten's own beats both GEMMs there (see the table above)
+        y = torch.mv(w.plain, x[0]) if bias is None else torch.addmv(bias, w.plain, x[0])
+        return y.unsqueeze(0)
+    if rows < w.min_rows:
         return F.linear(x, w.plain, bias)
     return torch.ops.mkldnn._linear_pointwise(x, w.packed, bias, "none", [], "")
 
@@ -174,8 +183,9 @@ def triton_ops() -> LayerOps:
     (each with the residual add), 1 RoPE in place, 1 SiLU*up per layer; F.linear for the GEMMs (cuBLAS)."""
     from mixserve.kernels import activation, norm, rope
 
-    def rotary(q: Tensor, k: Tensor, state: Rotary) -> tuple[Tensor, Tensor]:
+    def rotary(qk: Tensor, num_q_heads: int, state: Rotary) -> tuple[Tensor, Tensor]:
         cos, sin, positions = state
+        q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]
         rope.rotary_qk_(q, k, cos, sin, positions)
         return q, k
 
