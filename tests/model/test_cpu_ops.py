@@ -55,7 +55,8 @@ def test_packed_linear_bf16_within_bf16_rounding(rows: int) -> None:
     assert float((got.float() - exact).abs().mean()) < 4e-3
 
 
-def test_the_lm_head_is_packed_from_one_row() -> None:
+def test_the_lm_head_is_packed_from_two_rows() -> None:
+    # (one row is a GEMV on the plain weight, whatever its size; the threshold then only matters from 2)
     w, _ = _weights(49152, 576, torch.float32)
     assert ops.cpu_ops(torch.float32).pack(w).min_rows == 1
     assert ops.cpu_ops(torch.float32).pack(w[:960]).min_rows == ops._MIN_ROWS[torch.float32]
@@ -129,3 +130,21 @@ def test_this_machines_flags_are_read() -> None:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     assert features.amx_bf16 == (" amx_bf16" in flags)
     assert features.avx512_bf16 == (" avx512_bf16" in flags)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_runner_says_once_why_bf16_is_slow_on_an_avx2_cpu(tiny_model_dir: Path, dtype: str,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    from mixserve.runner import model_runner
+
+    avx2 = ops.CpuFeatures(avx512_bf16=False, amx_bf16=False, capability="AVX2")
+    monkeypatch.setattr(model_runner, "cpu_features", lambda: avx2)
+    with caplog.at_level(logging.INFO, logger="mixserve"):
+        runner = model_runner.ModelRunner.from_pretrained(str(tiny_model_dir), num_blocks=8, block_size=4,
+                                                          dtype=dtype)
+    assert runner.cpu_features is avx2
+    lines = [r.getMessage() for r in caplog.records if "bfloat16 on this CPU" in r.getMessage()]
+    assert len(lines) == (1 if dtype == "bfloat16" else 0)
+    if lines:
+        assert "AVX2" in lines[0] and "float32" in lines[0]
