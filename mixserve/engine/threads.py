@@ -21,10 +21,11 @@ steps, during the GIL-held Python parts of a step, when another engine's workers
 kernel puts it wherever there is slack. Offline (`LLM.generate`) the calling thread is the model's
 thread, so its first step() binds it again (the pool it started while loading is re-pinned as it was).
 `bench/serve_overhead.py` (`make bench-serve`) measures it: a decode step through the server against the
-same step offline, and /health latency meanwhile. On the shared 2-core Xeon (noisy: a step's time moved
-2x from minute to minute), 32 streams decoding, three rounds each, old and new interleaved: the served
-decode period p50 was 290-313 ms with the loop pinned to the compute core and 220-278 ms with it free;
-/health p99 13-17 ms pinned, 13-14 ms free (both under 50 ms).
+same step offline, and /health latency meanwhile. On the shared 2-core Xeon, 32 streams decoding, the same
+tree with only this decision changed, three rounds each interleaved (offline stepping from a fresh thread):
+served decode period p50 182/199/201 ms pinned, 195/196/190 ms free (the step's cost does not move beyond
+the noise; served/offline 0.94-1.07x either way, under the 1.15x criterion), /health p99 18.1/14.3/13.5 ms
+pinned, 11.8/11.0/11.1 ms free (both under 50 ms; free is lower every round).
 """
 
 from __future__ import annotations
