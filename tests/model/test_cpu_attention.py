@@ -114,3 +114,11 @@ def test_the_library_is_built_once_and_cached(monkeypatch, tmp_path) -> None:
         assert built[0].stat().st_mtime_ns == mtime  # loaded again, not rebuilt
     finally:
         cpu_build.load_library.cache_clear()
+
+
+def test_loading_the_library_leaves_denormals_alone() -> None:
+    # -ffast-math would link crtfastmath.o, which sets flush-to-zero for the whole process on load
+    cpu_build.load_library()
+    tiny = 5e-324  # the smallest double: a denormal
+    assert tiny * 1.0 != 0.0
+    assert (torch.tensor([1e-40]) * 1.0).item() != 0.0

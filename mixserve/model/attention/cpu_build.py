@@ -23,9 +23,13 @@ from pathlib import Path
 log = logging.getLogger("mixserve")
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-# -ffast-math: vectorised expf (glibc's libmvec) and reassociated sums; the kernel uses no infinities.
+# The parts of -ffast-math the kernel wants (reassociated sums vectorise; it uses no infinities), named
+# one by one: -ffast-math itself links crtfastmath.o, whose start-up code turns on flush-to-zero and
+# denormals-are-zero for the whole process once the library loads, changing everyone else's numerics.
 # -fopenmp: the library shares torch's libgomp (same soname, already loaded), so torch's threads run it.
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+         "-fassociative-math", "-freciprocal-math", "-ffinite-math-only", "-fopenmp", "-std=c++17",
+         "-shared", "-fPIC")
 
 _I64P = ctypes.POINTER(ctypes.c_int64)
 _ARGTYPES = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

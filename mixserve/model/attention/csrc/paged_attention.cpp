@@ -22,7 +22,7 @@ constexpr int KEY_TILE = 16;
 constexpr int TILE_TOKENS = 16;
 constexpr int MAX_ROWS = 128;  // TILE_TOKENS * the largest GQA group a tile takes (G <= 8)
 constexpr int MAX_HEAD_DIM = 256;
-// A finite "minus infinity": the library is built with -ffast-math, which assumes no infinities.
+// A finite "minus infinity": the library is built with -ffinite-math-only, which assumes no infinities.
 constexpr float NEG_BIG = -1e30f;
 
 // 16 floats as one value: GCC's vector extension is one AVX-512 register here and two AVX2 registers on
