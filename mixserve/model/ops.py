@@ -95,7 +95,7 @@ class PackedWeight:
 
     plain: Tensor
     packed: Tensor
-    min_rows: int  # from 2 rows to fewer than this, F.linear on `plain` (faster there: see the table below)
+    min_rows: int  # from this many rows the packed GEMM; 2 .. min_rows-1 F.linear (see the table below)
 
 
 # Measured on this Xeon (AVX512-BF16, AMX), 2 threads, ms per call, the minimum over interleaved calls
@@ -119,7 +119,7 @@ class PackedWeight:
 # rows is the one cell F.linear wins; it loses again at 1024; not worth a per-shape rule.) MKL's own packed
 # GEMM (torch.ops.mkl._mkl_linear, inductor's fp32 path) is 5-20% faster still, but only at exactly the row
 # count it was packed for (other counts fall back to the plain weight), and a step's row count varies.
-_MIN_ROWS = {torch.float32: 4, torch.bfloat16: 1}
+_MIN_ROWS = {torch.float32: 4, torch.bfloat16: 2}  # 1 row is always a GEMV
 _BIG_WEIGHT = 1 << 23  # elements (32 MiB in fp32) from which oneDNN's fixed cost per call does not matter
 
 
@@ -143,7 +143,7 @@ def mkldnn_linear_available(dtype: torch.dtype) -> str | None:
 def _pack(w: Tensor, dtype: torch.dtype) -> PackedWeight:
     # batch_size=None: a layout for any row count (one reordered copy serves decode and prefill alike).
     packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-    return PackedWeight(plain=w, packed=packed, min_rows=1 if w.numel() >= _BIG_WEIGHT else _MIN_ROWS[dtype])
+    return PackedWeight(plain=w, packed=packed, min_rows=2 if w.numel() >= _BIG_WEIGHT else _MIN_ROWS[dtype])
 
 
 def _packed_linear(x: Tensor, w: PackedWeight, bias: Tensor | None) -> Tensor:
