@@ -1,7 +1,10 @@
 """tau(tokens): the time of one forward of T tokens on the default model, ours next to HF transformers'.
 
 Not a test. Run: .venv/bin/python bench/forward.py [--max-tokens 2048] [--repeats 3] [--threads 0]
-[--dtype bfloat16] [--no-hf] [--torch-ops].
+[--dtype bfloat16] [--no-hf] [--torch-ops] [--no-floors].
+First the floors (bench/floors.py) and the CPU fast path issue's three criteria: one token <= 1.5x
+(weight bytes / copy bandwidth); a decode step of 32 sequences at context 512 <= 2.0x ((weight bytes + the
+KV bytes it reads) / copy bandwidth); 256 tokens at >= 80% of oneDNN's GEMM rate on the model's shapes.
 Each T is one prompt of T tokens prefilled whole from position 0 (ours: one ForwardBatch; HF: one
 forward with logits_to_keep=1, so both compute the LM head on the last token only). Median of repeats,
 the contenders timed in turns. --torch-ops adds our runner on the plain torch ops (F.linear on unpacked
@@ -12,15 +15,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from mixserve.core.batch import ForwardBatch, ForwardSeq
+from mixserve.engine.threads import bind_threads, set_threads
 from mixserve.model.loader import default_model_path
 from mixserve.model.ops import torch_ops
 from mixserve.runner.model_runner import ModelRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from floors import floors  # noqa: E402
+
+DECODE_SEQS, DECODE_CONTEXT, GEMM_TOKENS = 32, 512, 256
 
 
 def medians_ms(fns: dict[str, Callable[[], object]], repeats: int,
@@ -38,23 +49,65 @@ def medians_ms(fns: dict[str, Callable[[], object]], repeats: int,
     return {name: 1000 * stat(ts) for name, ts in times.items()}
 
 
+def layer_flops(cfg, tokens: int) -> float:
+    """FLOPs of the decoder layers' GEMMs for `tokens` rows (attention and the LM head not counted)."""
+    q, kv, h, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
+        cfg.intermediate_size
+    return 2.0 * tokens * cfg.num_layers * (h * (q + 2 * kv) + q * h + h * 2 * i + i * h)
+
+
+def check_floors(runner: ModelRunner, repeats: int) -> None:
+    """The three criteria, each measured here (best of `repeats`) against floors measured here."""
+    f = floors(runner.config, runner.dtype)
+    print("\n".join(f.lines()))
+    bw = f.copy_bandwidth_gb_s * 1e9
+    per_seq = -(-DECODE_CONTEXT // runner.block_size)
+    need = max(DECODE_SEQS * per_seq, -(-GEMM_TOKENS // runner.block_size))
+    if need > runner.num_blocks:
+        print(f"(criteria skipped: they need {need} KV blocks)")
+        return
+    one = ForwardBatch([ForwardSeq("one", [1000], 0, [0])])
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(DECODE_SEQS)]
+    decode = ForwardBatch([ForwardSeq(f"d{i}", [1000 + i], DECODE_CONTEXT - 1, t)
+                           for i, t in enumerate(tables)])
+    prefill = ForwardBatch([ForwardSeq("p", list(range(1000, 1000 + GEMM_TOKENS)), 0,
+                                       list(range(-(-GEMM_TOKENS // runner.block_size))))])
+    ms = medians_ms({"one": lambda: runner.forward(one), "decode": lambda: runner.forward(decode),
+                     "prefill": lambda: runner.forward(prefill)}, repeats, min)
+    kv_read = DECODE_SEQS * DECODE_CONTEXT * runner.kv_bytes_per_token
+    one_floor = 1e3 * f.weight_bytes / bw
+    dec_floor = 1e3 * (f.weight_bytes + kv_read) / bw
+    gemm_rate = sum(g.flops_per_s for g in f.gemms) / len(f.gemms)
+    rate = layer_flops(runner.config, GEMM_TOKENS) / (ms["prefill"] / 1e3)
+    rows = [("1 token", f"{ms['one']:.1f} ms", f"{ms['one'] / one_floor:.2f}x of {one_floor:.1f} ms", 1.5,
+             ms["one"] / one_floor),
+            (f"decode {DECODE_SEQS} x ctx {DECODE_CONTEXT}", f"{ms['decode']:.1f} ms",
+             f"{ms['decode'] / dec_floor:.2f}x of {dec_floor:.1f} ms", 2.0, ms["decode"] / dec_floor),
+            (f"{GEMM_TOKENS} tokens", f"{ms['prefill']:.1f} ms ({rate / 1e9:.0f} GFLOP/s in the layers)",
+             f"{rate / gemm_rate:.0%} of {gemm_rate / 1e9:.0f} GFLOP/s", None, rate / gemm_rate)]
+    for name, measured, against, limit, value in rows:
+        met = value >= 0.8 if limit is None else value <= limit
+        target = ">= 80%" if limit is None else f"<= {limit}x"
+        print(f"{name:<22} {measured:<36} {against:<28} target {target}: {'met' if met else 'MISSED'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: one per core, bound)")
     ap.add_argument("--no-hf", action="store_true", help="time ours only")
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16, ours and HF's alike")
     ap.add_argument("--torch-ops", action="store_true",
                     help="also time a second runner on the plain torch ops (F.linear, no prepacking)")
+    ap.add_argument("--no-floors", action="store_true", help="skip the floors and the three criteria")
     ap.add_argument("--min", action="store_true",
                     help="report the fastest repeat, not the median (on a busy machine)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    bind_threads(set_threads(args.threads))  # as the engine runs the model: one thread bound per core
 
     block_size = 16
-    num_blocks = args.max_tokens // block_size + 1
+    num_blocks = max(args.max_tokens // block_size + 1, DECODE_SEQS * DECODE_CONTEXT // block_size)
     runner = ModelRunner.from_pretrained(None, num_blocks=num_blocks, block_size=block_size, device="cpu",
                                          dtype=args.dtype)
     base = None
@@ -70,6 +123,8 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=runner.dtype)
         hf.eval()
 
+    if not args.no_floors:
+        check_floors(runner, max(args.repeats, 5))
     vocab = runner.config.vocab_size
     table = list(range(num_blocks))
     print(f"model {runner.model_name}  dtype {runner.dtype}  threads {torch.get_num_threads()}  "

@@ -1,7 +1,8 @@
 """The decoder layer's ops (linear, norms, SwiGLU, RoPE): one frozen set per device, picked once at start-up.
 
 Three sets: `torch_ops()` (plain PyTorch, the reference), `cpu_ops(dtype)` (linears through oneDNN on weights
-reordered once at load, torch for the rest) and `triton_ops()` (mixserve/kernels, CUDA). The model runs
+reordered once at load; norms, RoPE and SwiGLU as one C++ call each, mixserve/model/cpu) and `triton_ops()`
+(mixserve/kernels, CUDA). The model runs
 whichever set `LlamaModel.prepare(ops)` was handed; one layer body serves all three.
 """
 
@@ -35,6 +36,7 @@ class LayerOps:
     linear: Callable[[Tensor, Any, Tensor | None], Tensor]
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
     # (x, residual, weight, eps) -> (norm(x + residual), x + residual): the residual stream rides along
+    # (the CPU and Triton sets write the sum into `residual` in place: the caller passes one it owns)
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
     silu_and_mul: Callable[[Tensor], Tensor]
     rotary_state: Callable[[RotaryTable, Tensor], Rotary]
@@ -165,10 +167,26 @@ def cpu_ops(dtype: torch.dtype) -> LayerOps:
             warnings.warn(f"CPU linears run F.linear, not the prepacked oneDNN path: {reason}",
                           RuntimeWarning, stacklevel=2)
         return torch_ops()
-    return LayerOps(name=f"cpu-onednn-{str(dtype).removeprefix('torch.')}",
-                    pack=functools.partial(_pack, dtype=dtype), linear=_packed_linear, rms_norm=rms_norm,
-                    add_rms_norm=add_rms_norm, silu_and_mul=silu_and_mul, rotary_state=_lookup,
-                    rotary=_rotary)
+    name = f"cpu-onednn-{str(dtype).removeprefix('torch.')}"
+    pack = functools.partial(_pack, dtype=dtype)
+    from mixserve.model.cpu.build import available
+
+    why_not = available()  # builds the C++ kernels on first use (~3 s once per machine)
+    if why_not is not None:
+        log.warning("CPU layer ops run as eager PyTorch (slower): %s", why_not)
+        return LayerOps(name=name, pack=pack, linear=_packed_linear, rms_norm=rms_norm,
+                        add_rms_norm=add_rms_norm, silu_and_mul=silu_and_mul, rotary_state=_lookup,
+                        rotary=_rotary)
+    from mixserve.model.cpu import layer_ops
+
+    def rotary(qk: Tensor, num_q_heads: int, state: Rotary) -> tuple[Tensor, Tensor]:
+        cos, sin, positions = state
+        layer_ops.rotary_(qk, cos, sin, positions)
+        return qk[:, :num_q_heads], qk[:, num_q_heads:]
+
+    return LayerOps(name=name + "+cpp", pack=pack, linear=_packed_linear, rms_norm=layer_ops.rms_norm,
+                    add_rms_norm=layer_ops.add_rms_norm, silu_and_mul=layer_ops.silu_and_mul,
+                    rotary_state=_positions_state, rotary=rotary)
 
 
 # ---- the Triton set (CUDA) -------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from mixserve.core.batch import ForwardBatch, ForwardSeq
-from mixserve.model.attention import cpu_build, get_backend
+from mixserve.model.attention import get_backend
 from mixserve.model.attention.cpu_paged import CpuPagedAttention
+from mixserve.model.cpu import build as cpu_build
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
@@ -106,7 +107,7 @@ def test_the_library_is_built_once_and_cached(monkeypatch, tmp_path) -> None:
     cpu_build.load_library.cache_clear()
     try:
         cpu_build.load_library()
-        built = list(tmp_path.glob("paged_attention-*.so"))
+        built = list(tmp_path.glob("cpu_kernels-*.so"))
         assert len(built) == 1 and built[0] == cpu_build.library_path()
         mtime = built[0].stat().st_mtime_ns
         cpu_build.load_library.cache_clear()

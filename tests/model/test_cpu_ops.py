@@ -25,7 +25,7 @@ def _weights(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.T
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_f_linear_fp32(rows: int, bias: bool) -> None:
     cpu = ops.cpu_ops(torch.float32)
-    assert cpu.name == "cpu-onednn-float32"
+    assert cpu.name == "cpu-onednn-float32+cpp"
     w, b = _weights(960, 576, torch.float32)
     packed = cpu.pack(w)
     assert isinstance(packed, ops.PackedWeight) and packed.packed.is_mkldnn
@@ -66,7 +66,7 @@ def test_the_runner_packs_the_tiny_model_on_cpu(tiny_model_dir: Path) -> None:
     from mixserve.runner import ModelRunner
 
     runner = ModelRunner.from_pretrained(str(tiny_model_dir), num_blocks=8, block_size=4)
-    assert runner.ops.name == "cpu-onednn-float32"
+    assert runner.ops.name == "cpu-onednn-float32+cpp"
     assert runner.model.ops is runner.ops
     assert runner.cpu_features is not None
     layer = runner.model.layers[0]

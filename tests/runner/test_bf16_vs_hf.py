@@ -29,7 +29,7 @@ def test_bf16_logits_match_hf_bf16(hf_default_model) -> None:
     from mixserve import ModelRunner
 
     runner = ModelRunner.from_pretrained(None, num_blocks=512, block_size=4, dtype="bfloat16")
-    assert runner.ops.name == ops.cpu_ops(torch.bfloat16).name == "cpu-onednn-bfloat16"
+    assert runner.ops.name == ops.cpu_ops(torch.bfloat16).name == "cpu-onednn-bfloat16+cpp"
     hf_bf16 = copy.deepcopy(hf_default_model).to(torch.bfloat16)  # the same weights, rounded alike
     prompts = [runner.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in TEXTS]
     # Mixed steps: 7-token chunks beside decodes, so packed GEMMs run at 1 row and at many.

@@ -38,7 +38,7 @@ def get_backend(name: str, device: torch.device | str, dtype: torch.dtype | None
             except ImportError:
                 pass
         elif dtype in (None, torch.float32, torch.bfloat16):
-            from mixserve.model.attention.cpu_build import KernelBuildError
+            from mixserve.model.cpu.build import KernelBuildError
 
             try:
                 return _load("cpu")()

@@ -2,8 +2,8 @@
 
 Where the reference backend gathers every sequence's context into a dense copy (half of a CPU decode
 step's time went to that `index_select`) and calls SDPA once per prefill chunk, this one writes the
-step's K/V into the cache and hands the kernel (csrc/paged_attention.cpp) the pointers: decodes and
-chunks, every layer, with no per-chunk Python. float32 and bfloat16 (computed in float32).
+step's K/V into the cache and hands the kernel (model/cpu/csrc/paged_attention.cpp) the pointers: decodes
+and chunks, every layer, with no per-chunk Python. float32 and bfloat16 (computed in float32).
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ from __future__ import annotations
 import torch
 
 from mixserve.model.attention.base import AttentionBackend, AttentionMetadata
-from mixserve.model.attention.cpu_build import load_library
-from mixserve.model.attention.torch_ref import write_kv
-
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+from mixserve.model.cpu.build import load_library
+from mixserve.model.cpu.layer_ops import DTYPE_CODE
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -23,23 +21,29 @@ class CpuPagedAttention(AttentionBackend):
     name = "cpu"
 
     def __init__(self) -> None:
-        self._fn = load_library().mixserve_paged_attention  # KernelBuildError when it cannot be built
+        lib = load_library()  # KernelBuildError when it cannot be built
+        self._attend, self._store = lib.mixserve_paged_attention, lib.mixserve_store_kv
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        code = _DTYPE_CODE.get(q.dtype)
+        code = DTYPE_CODE.get(q.dtype)
         if code is None or q.device.type != "cpu":
             raise ValueError(f"the cpu attention backend takes float32 or bfloat16 on the CPU, got {q.dtype} "
                              f"on {q.device}: use attention_backend = 'torch'")
         if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the cpu attention backend needs q's head dim and the caches contiguous")
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         t, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        if k.stride(-1) != 1 or v.stride(-1) != 1:
+            raise ValueError("the cpu attention backend needs k's and v's head dim contiguous")
+        self._store(code, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                    k_cache.data_ptr(), v_cache.data_ptr(), meta.slot_mapping.data_ptr(), t, num_kv_heads,
+                    head_dim)
         out = torch.empty((t, num_heads, head_dim), dtype=q.dtype)
         tables = meta.block_tables
-        rc = self._fn(
+        rc = self._attend(
             code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
             meta.query_start.data_ptr(), meta.seq_lens.data_ptr(), tables.data_ptr(),
-            tables.shape[0], tables.shape[1], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
+            tables.shape[0], tables.shape[1], num_heads, num_kv_heads, head_dim, k_cache.shape[1],
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), head_dim ** -0.5, torch.get_num_threads(),
         )
         if rc != 0:

@@ -1,6 +1,6 @@
-"""Builds the C++ CPU attention kernel (csrc/paged_attention.cpp) once per machine and loads it (ctypes).
+"""Builds the C++ CPU kernels (csrc/: paged attention, small layer ops) once per machine; loads them (ctypes).
 
-The kernel has a plain C ABI and includes no torch header, so g++ builds it in about three seconds with no
+The kernels have a plain C ABI and include no torch header, so g++ builds them in a few seconds with no
 ninja and no torch build machinery; `pip install` stays compiler-free. The library is cached under
 $MIXSERVE_CACHE (default ~/.cache/mixserve), keyed by the source, the flags, the compiler and the CPU's
 flags: `-march=native` code built on one CPU never runs on another. A machine without a compiler gets
@@ -22,7 +22,9 @@ from pathlib import Path
 
 log = logging.getLogger("mixserve")
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp")
+HEADERS = (CSRC / "common.h",)
 # The parts of -ffast-math the kernel wants (reassociated sums vectorise; it uses no infinities), named
 # one by one: -ffast-math itself links crtfastmath.o, whose start-up code turns on flush-to-zero and
 # denormals-are-zero for the whole process once the library loads, changing everyone else's numerics.
@@ -31,10 +33,15 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-
          "-fassociative-math", "-freciprocal-math", "-ffinite-math-only", "-fopenmp", "-std=c++17",
          "-shared", "-fPIC")
 
-_I64P = ctypes.POINTER(ctypes.c_int64)
-_ARGTYPES = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 10 + [
-             ctypes.c_float, ctypes.c_int]
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+# Every function takes a dtype code first (0 float32, 1 bfloat16) and returns 0 or an error code.
+SIGNATURES = {
+    "mixserve_paged_attention": [_I] + [_P] * 7 + [_I64] * 10 + [_F, _I],
+    "mixserve_store_kv": [_I, _P, _P] + [_I64] * 4 + [_P, _P, _P] + [_I64] * 3,
+    "mixserve_rms_norm": [_I, _P, _I64, _P, _P, _P, _I64, _I64, _F, _I],
+    "mixserve_rotary": [_I, _P] + [_I64] * 5 + [_P, _P, _P, _I],
+    "mixserve_silu_and_mul": [_I, _P, _P, _I64, _I64, _I],
+}
 
 
 class KernelBuildError(RuntimeError):
@@ -71,25 +78,26 @@ def library_path() -> Path:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"C++ compiler {cxx} does not run: {e}") from None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, cpu_flags(),
+    texts = [f.read_text() for f in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, cpu_flags(),
                                     platform.machine()]).encode()).hexdigest()[:16]
-    return cache_dir() / f"paged_attention-{key}.so"
+    return cache_dir() / f"cpu_kernels-{key}.so"
 
 
 def _build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    log.info("building the CPU attention kernel (once per machine): %s", target)
+    log.info("building the CPU kernels (once per machine): %s", target)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([_compiler(), *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run([_compiler(), *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True,
+                              text=True, timeout=300)
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["no output"])[0]
-            raise KernelBuildError(f"building {SOURCE.name} failed: {first}")
+            raise KernelBuildError(f"building the CPU kernels failed: {first}")
         os.replace(tmp, target)  # atomic: a concurrent builder never loads a half-written library
     except (OSError, subprocess.SubprocessError) as e:
-        raise KernelBuildError(f"building {SOURCE.name} failed: {e}") from None
+        raise KernelBuildError(f"building the CPU kernels failed: {e}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -103,8 +111,19 @@ def load_library() -> ctypes.CDLL:
         _build(target)
     try:
         lib = ctypes.CDLL(str(target))
-        fn = lib.mixserve_paged_attention
+        for name, argtypes in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
     except (OSError, AttributeError) as e:
         raise KernelBuildError(f"loading {target} failed: {e}") from None
-    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
     return lib
+
+
+@functools.cache
+def available() -> str | None:
+    """None when the kernels load here, else why not (one line); builds them on first call."""
+    try:
+        load_library()
+    except KernelBuildError as e:
+        return str(e)
+    return None

@@ -9,12 +9,12 @@
 // query head of that KV head's GQA group, so each K/V element read from the cache serves G heads. Keys go
 // in tiles of KEY_TILE (16 = one AVX-512 register of fp32 scores per row); online softmax per row.
 #include <omp.h>
-#include <stdint.h>
-#include <string.h>
 
-#include <algorithm>
-#include <cmath>
 #include <vector>
+
+#include "common.h"
+
+using namespace mixserve;
 
 namespace {
 
@@ -34,25 +34,6 @@ typedef float vf16u __attribute__((vector_size(64), aligned(4)));  // for loads 
 inline vf16 load16(const float* p) { return *reinterpret_cast<const vf16u*>(p); }
 inline void store16(float* p, vf16 v) { *reinterpret_cast<vf16u*>(p) = v; }
 
-inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = static_cast<uint32_t>(x) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7fff + ((bits >> 16) & 1);
-    return static_cast<uint16_t>(bits >> 16);
-}
-
-inline float load(const float* p) { return *p; }
-inline float load(const uint16_t* p) { return bf16_to_float(*p); }
-inline void store(float* p, float v) { *p = v; }
-inline void store(uint16_t* p, float v) { *p = float_to_bf16(v); }
-
 struct Item {
     int64_t seq, kv_head, q_begin, q_end;  // q_begin/q_end: packed token indices of the tile
 };
@@ -62,25 +43,6 @@ struct Shape {
     int64_t q_stride_t, q_stride_h, o_stride_t, o_stride_h;
     float scale;
 };
-
-// exp(x) for x <= 0 as a polynomial the compiler vectorises (glibc's expf stays scalar here): 2^f on
-// [-0.5, 0.5] with Cephes' exp2f coefficients (relative error ~2e-7), scaled by 2^n through the exponent.
-inline float exp_nonpositive(float x) {
-    const float t = std::max(x, -87.0f) * 1.44269504088896341f;
-    const float n = std::floor(t + 0.5f);
-    const float f = t - n;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 // Rows of K (or V) for one key tile as float pointers: float32 caches are read in place, bfloat16 rows
 // are widened into `buf` once per tile.
@@ -191,10 +153,10 @@ void attend_tile(const Item& it, const T* q, const T* k_cache, const T* v_cache,
             float tile_max = NEG_BIG;
             for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
             const float m_new = std::max(m[r], tile_max);
-            const float alpha = exp_nonpositive(m[r] - m_new);  // 0 on the first tile
+            const float alpha = fast_exp(m[r] - m_new);  // 0 on the first tile
             float sum = 0.f;
             for (int j = 0; j < KEY_TILE; ++j) {
-                s[j] = j < visible ? exp_nonpositive(s[j] - m_new) : 0.f;
+                s[j] = j < visible ? fast_exp(s[j] - m_new) : 0.f;
                 sum += s[j];
             }
             l[r] = l[r] * alpha + sum;
@@ -249,9 +211,39 @@ void run(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* 
         tile(items[i], q, k_cache, v_cache, out, query_start, seq_lens, block_tables, sh);
 }
 
+// K and V of the step's tokens into their slots (block * block_size + offset): one pass, strided inputs.
+template <typename T>
+void store_kv(const T* k, const T* v, int64_t k_stride_t, int64_t k_stride_h, int64_t v_stride_t,
+              int64_t v_stride_h, T* k_cache, T* v_cache, const int64_t* slots, int64_t tokens,
+              int64_t num_kv_heads, int64_t head_dim) {
+    for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const int64_t dst = (slots[t] * num_kv_heads + h) * head_dim;
+            memcpy(k_cache + dst, k + t * k_stride_t + h * k_stride_h, head_dim * sizeof(T));
+            memcpy(v_cache + dst, v + t * v_stride_t + h * v_stride_h, head_dim * sizeof(T));
+        }
+}
+
 }  // namespace
 
 extern "C" {
+
+// Caches as for mixserve_paged_attention; k and v (tokens, num_kv_heads, head_dim), last dim contiguous.
+int mixserve_store_kv(int dtype, const void* k, const void* v, int64_t k_stride_t, int64_t k_stride_h,
+                      int64_t v_stride_t, int64_t v_stride_h, void* k_cache, void* v_cache,
+                      const int64_t* slots, int64_t tokens, int64_t num_kv_heads, int64_t head_dim) {
+    if (dtype == 0)
+        store_kv(static_cast<const float*>(k), static_cast<const float*>(v), k_stride_t, k_stride_h, v_stride_t,
+                 v_stride_h, static_cast<float*>(k_cache), static_cast<float*>(v_cache), slots, tokens,
+                 num_kv_heads, head_dim);
+    else if (dtype == 1)
+        store_kv(static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), k_stride_t, k_stride_h,
+                 v_stride_t, v_stride_h, static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache), slots,
+                 tokens, num_kv_heads, head_dim);
+    else
+        return 3;
+    return 0;
+}
 
 // dtype: 0 = float32, 1 = bfloat16. Caches (num_blocks, block_size, num_kv_heads, head_dim) contiguous;
 // q and out (T, num_heads, head_dim) with the given token and head strides (last dim contiguous).
