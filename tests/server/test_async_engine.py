@@ -84,7 +84,9 @@ def test_cancelled_stream_aborts_its_request_and_frees_blocks():
     async def main():
         engine = AsyncEngine(fake)
         seen = 0
-        stream = engine.generate("r", [0], SamplingParams(max_tokens=10_000))
+        # A budget no fake engine exhausts before the abort lands (10,000 tokens it could, and then the
+        # request finished instead of being aborted: a flaky test).
+        stream = engine.generate("r", [0], SamplingParams(max_tokens=10**9))
         async with contextlib.aclosing(stream) as updates:
             async for _ in updates:
                 seen += 1
@@ -122,7 +124,9 @@ def test_dead_step_loop_fails_every_stream_and_turns_unhealthy():
     async def main():
         engine = AsyncEngine(fake)
         tasks = [asyncio.create_task(drain(engine, f"r{i}", [0], 5)) for i in range(3)]
-        await until(lambda: len(fake.added) == 3, "three requests in the engine")
+        # The first step may start (and block on the gate) before the other two leave the inbox: both
+        # places count, and a dead loop must fail the requests in either.
+        await until(lambda: len(fake.added) + engine._pending_adds == 3, "three requests in the engine")
         assert engine.healthy
         fake.crash = True
         fake.gate.set()
