@@ -28,6 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from bench.argv import without  # noqa: E402
 from bench.floors import floors, has_fast_bf16, model_config  # noqa: E402
 from bench.offline_run import NUM_REQUESTS, OUTPUT_TOKENS  # noqa: E402
 from mixserve.config import ConfigError, add_engine_flags, config_from_args  # noqa: E402
@@ -42,15 +43,7 @@ OWN_FLAGS = {"--vllm": 1, "--vllm-work": 1, "--timeout": 1, "--out": 1, "--skip-
 
 def child_argv(argv: list[str]) -> list[str]:
     """argv without this script's own flags: the engine flags and the workload size, for offline_run.py."""
-    out, skip = [], 0
-    for arg in argv:
-        if skip:
-            skip -= 1
-        elif arg.split("=", 1)[0] in OWN_FLAGS:
-            skip = 0 if "=" in arg else OWN_FLAGS[arg]
-        else:
-            out.append(arg)
-    return out
+    return without(argv, OWN_FLAGS)
 
 
 def run_ours(system: str, dtype: str, argv: list[str], timeout: float) -> dict[str, Any]:

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import httpx  # noqa: E402
 
+from bench.argv import without  # noqa: E402
 from mixserve.bench.client import stream_one  # noqa: E402
 from mixserve.bench.report import RequestResult  # noqa: E402
 from mixserve.bench.server import ServerProcess, free_port  # noqa: E402
@@ -51,19 +52,6 @@ WORKLOAD_FLAGS = {"--num-requests": 1, "--prompt-len": 1, "--output-tokens": 1, 
 def prompts(n: int, length: int, vocab: int = 49152) -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
-
-
-def without(argv: list[str], flags: dict[str, int]) -> list[str]:
-    """argv without `flags` (flag -> how many values follow it) in either `--flag v` or `--flag=v` form."""
-    out, skip = [], 0
-    for arg in argv:
-        if skip:
-            skip -= 1
-        elif arg.split("=", 1)[0] in flags:
-            skip = 0 if "=" in arg else flags[arg]
-        else:
-            out.append(arg)
-    return out
 
 
 def offline_child(args: argparse.Namespace) -> int:

@@ -1,0 +1,16 @@
+"""What the bench scripts share on the command line: a script's argv handed to a child without its flags."""
+
+from __future__ import annotations
+
+
+def without(argv: list[str], flags: dict[str, int]) -> list[str]:
+    """argv without `flags` (flag -> how many values follow it) in either `--flag v` or `--flag=v` form."""
+    out, skip = [], 0
+    for arg in argv:
+        if skip:
+            skip -= 1
+        elif arg.split("=", 1)[0] in flags:
+            skip = 0 if "=" in arg else flags[arg]
+        else:
+            out.append(arg)
+    return out
