@@ -6,7 +6,8 @@ Starts a server (`--prefill-chunk 256 --max-batch-tokens 512` unless told otherw
 for the 12-at-0.5/s variant of `make bench`), then sends the same 1,500-token prompt alone three times
 (streamed, max_tokens 1) and prints:
   - short requests stalled (a gap over 0.5 s): target 0;
-  - long prompts' TTFT p50 under M / the median TTFT of one alone: target <= 1.5.
+  - long prompts' TTFT p50 under M / the median TTFT of one alone: target <= 1.5;
+  - /health latency, polled every 50 ms during M: p99 target < 50 ms.
 
     .venv/bin/python bench/workload_m.py [--scaled] [--server-args "--dtype bfloat16"] [--url URL]
 """
@@ -18,11 +19,13 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from floors import cpu_flags  # noqa: E402
+from serve_overhead import percentiles, poll_health  # noqa: E402
 
 from mixserve.bench.report import format_summary  # noqa: E402
 from mixserve.bench.run import RunOptions, run_bench  # noqa: E402
@@ -33,12 +36,23 @@ LONG_LEN, ALONE_REPEATS = 1500, 3
 
 
 def run_m(url: str, scaled: bool, seed: int) -> dict:
+    """Workload M's report, with the /health latencies polled meanwhile under "health_s"."""
     short, rate = (12, 0.5) if scaled else (48, 2.0)
     specs = workload_m(num_short=short, short_rate=rate, short_input=(32, 128), short_output=64,
                        long_input_len=LONG_LEN, long_output=8, vocab_size=DEFAULT_VOCAB_SIZE, seed=seed)
     opts = RunOptions(vocab_size=DEFAULT_VOCAB_SIZE, max_duration_s=600.0)
-    return run_bench(url, specs, opts, settings={"workload": "M", "short_requests": short,
-                                                 "short_rate": rate})
+    latencies: list[float] = []
+    stop = threading.Event()
+    poller = threading.Thread(target=poll_health, args=(url, 0.05, stop, latencies))
+    poller.start()
+    try:
+        report = run_bench(url, specs, opts, settings={"workload": "M", "short_requests": short,
+                                                       "short_rate": rate})
+    finally:
+        stop.set()
+        poller.join()
+    report["health_s"] = percentiles(latencies)
+    return report
 
 
 def alone_ttfts(url: str) -> list[float]:
@@ -86,10 +100,13 @@ def main() -> int:
         "short_max_gap_s": short.get("max_gap_s"), "long_ttft_p50_s": long_p50,
         "alone_ttft_s": alone, "long_over_alone": ratio,
         "stall_target_met": short.get("stalled") == 0, "ttft_target_met": ratio <= 1.5,
+        "health_p99_s": report["health_s"]["p99"], "health_target_met": report["health_s"]["p99"] < 0.05,
     }
     print(f"short stalled {short.get('stalled')} of {short.get('count')} (target 0; max gap "
           f"{short.get('max_gap_s') or 0:.2f} s); long TTFT p50 {long_p50 or float('nan'):.2f} s vs alone "
-          f"{alone_median:.2f} s (median of {len(alone)}): {ratio:.2f}x (target <= 1.5x)")
+          f"{alone_median:.2f} s (median of {len(alone)}): {ratio:.2f}x (target <= 1.5x); /health p99 "
+          f"{1e3 * report['health_s']['p99']:.1f} ms over {report['health_s']['count']} GETs "
+          "(target < 50 ms)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"report": report, "verdict": verdict}, indent=1))
     return 0
