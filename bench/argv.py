@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 
 def without(argv: list[str], flags: dict[str, int]) -> list[str]:
     """argv without `flags` (flag -> how many values follow it) in either `--flag v` or `--flag=v` form."""
@@ -14,3 +17,14 @@ def without(argv: list[str], flags: dict[str, int]) -> list[str]:
         else:
             out.append(arg)
     return out
+
+
+def engine_config(args: Any, prog: str) -> Any | None:
+    """The [engine] config the parsed engine flags describe, or None after one line naming the bad key."""
+    from mixserve.config import ConfigError, config_from_args
+
+    try:
+        return config_from_args(args).engine
+    except ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return None

@@ -28,10 +28,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from bench.argv import without  # noqa: E402
+from bench.argv import engine_config, without  # noqa: E402
 from bench.floors import floors, has_fast_bf16, model_config  # noqa: E402
 from bench.offline_run import NUM_REQUESTS, OUTPUT_TOKENS  # noqa: E402
-from mixserve.config import ConfigError, add_engine_flags, config_from_args  # noqa: E402
+from mixserve.config import add_engine_flags  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PEERS = HERE.parents[1] / "shared" / "peers"
@@ -129,10 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per system at most")
     parser.add_argument("--out", default=str(HERE / "results" / "offline.json"))
     args = parser.parse_args(argv)
-    try:
-        cfg = config_from_args(args).engine
-    except ConfigError as e:
-        print(f"offline: {e}", file=sys.stderr)
+    cfg = engine_config(args, "offline")
+    if cfg is None:
         return 2
     import torch
 

@@ -18,7 +18,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from mixserve.config import ConfigError, add_engine_flags, config_from_args  # noqa: E402
+from bench.argv import engine_config  # noqa: E402
+from mixserve.config import add_engine_flags  # noqa: E402
 
 NUM_REQUESTS, MIN_LEN, MAX_LEN, OUTPUT_TOKENS, HF_BATCH = 32, 64, 512, 64, 8
 
@@ -102,10 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS)
     parser.add_argument("--result", required=True, help="where to write the JSON result")
     args = parser.parse_args(argv)
-    try:
-        cfg = config_from_args(args).engine
-    except ConfigError as e:
-        print(f"offline_run: {e}", file=sys.stderr)
+    cfg = engine_config(args, "offline_run")
+    if cfg is None:
         return 2
     if args.system == "mixserve":
         result = run_mixserve(cfg, args.num_requests, args.output_tokens)
