@@ -5,6 +5,7 @@ from mixserve.core.blocks import BlockPool, BlockSpace
 from mixserve.core.config import SchedulerConfig
 from mixserve.core.plan import plan, split
 from mixserve.core.policy import Chunked, PrefillPolicy, WholePrompt
+from mixserve.core.prefix_cache import PrefixCachingPool
 from mixserve.core.scheduler import Scheduler
 from mixserve.core.stats import SchedulerStats
 
@@ -16,6 +17,7 @@ __all__ = [
     "ForwardBatch",
     "ForwardSeq",
     "PrefillPolicy",
+    "PrefixCachingPool",
     "RequestId",
     "ScheduleOutput",
     "Scheduler",

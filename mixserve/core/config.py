@@ -7,16 +7,23 @@ from dataclasses import dataclass, fields
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one engine step and of the KV cache; every field must be a positive integer."""
+    """Limits of one engine step and of the KV cache; every int field must be a positive integer."""
 
     max_batch_tokens: int
     max_num_seqs: int = 256
     block_size: int = 16
     num_blocks: int = 1024
+    # Share the K/V of full blocks between requests with the same prefix (core/prefix_cache.py). Off here
+    # so the core's contract is unchanged; the engine turns it on ([engine] enable_prefix_caching).
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.type == "bool":
+                if not isinstance(value, bool):
+                    raise ValueError(f"SchedulerConfig.{f.name} must be True or False, got {value!r}")
+                continue
             # bool is an int subclass; True as a budget is a mistake, not a 1
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"SchedulerConfig.{f.name} must be a positive integer, got {value!r}")

@@ -28,6 +28,8 @@ class Request:
     num_computed: int = 0
     # Tokens to prefill since the last admission: the prompt, or prompt + generated after a preemption.
     prefill_end: int = 0
+    # Prefix caching: the chained keys of its first full blocks, computed once as they are needed.
+    block_keys: list[bytes] = field(default_factory=list)
 
     @property
     def num_generated(self) -> int:

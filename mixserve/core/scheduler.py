@@ -6,9 +6,10 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 
 from mixserve.core.batch import Chunk, RequestId, ScheduleOutput
-from mixserve.core.blocks import BlockPool, BlockSpace
+from mixserve.core.blocks import BlockSpace
 from mixserve.core.config import SchedulerConfig
 from mixserve.core.policy import PrefillPolicy, WholePrompt
+from mixserve.core.prefix_cache import PrefixCache, new_pool
 from mixserve.core.request import Request, Status
 from mixserve.core.stats import SchedulerStats
 
@@ -52,7 +53,8 @@ class Scheduler:
 
     def __init__(self, cfg: SchedulerConfig, blocks: BlockSpace | None = None) -> None:
         self.cfg = cfg
-        self.blocks: BlockSpace = blocks if blocks is not None else BlockPool(cfg.num_blocks)
+        self.blocks: BlockSpace = blocks if blocks is not None else new_pool(cfg)
+        self._cache: PrefixCache | None = PrefixCache.for_config(cfg, self.blocks)  # None: caching off
         self.policy: PrefillPolicy = WholePrompt()
         self._requests: dict[RequestId, Request] = {}
         self._waiting: deque[Request] = deque()  # arrival order; preempted requests go back in front
@@ -120,7 +122,11 @@ class Scheduler:
             if r.request_id in step.preempted:  # it just gave its blocks back: not again this step
                 break
             r.prefill_end = len(r.tokens)
+            if self._cache is not None:
+                self._cache.admit(r)  # its prefill starts after the longest cached run of its blocks
             if self._schedule_chunk(r, step) == 0:
+                if self._cache is not None:
+                    self._cache.undo(r)
                 break
         self._last_step = step.output()
         return self._last_step
@@ -183,6 +189,8 @@ class Scheduler:
         extra = set(sampled) - set(rows)
         if extra:
             raise ValueError(f"sampled tokens for requests with no sampled row this step: {sorted(extra)}")
+        if self._cache is not None:
+            self._cache.register_step(out, self._requests)  # the blocks this step filled become shareable
         finished = []
         for rid in rows:
             r = self._requests.get(rid)
@@ -253,4 +261,5 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             step_decode_tokens=len(last.decodes),
             step_prefill_tokens=last.num_tokens - len(last.decodes),
+            **(self._cache.stats() if self._cache is not None else {}),
         )

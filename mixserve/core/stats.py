@@ -16,10 +16,15 @@ class SchedulerStats:
     num_preemptions: int  # since the scheduler was built (a counter)
     step_decode_tokens: int  # in the last scheduled step
     step_prefill_tokens: int
+    # Prefix caching, since the scheduler was built (counters, in tokens; 0 with caching off): tokens of
+    # the requests admitted, and how many of them were found in the cache instead of computed.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_cached_blocks: int = 0  # blocks holding a cached prefix, referenced or not (a gauge)
 
     @property
     def kv_cache_usage(self) -> float:
-        """Fraction of KV blocks held, 0.0 .. 1.0."""
+        """Fraction of KV blocks held by requests, 0.0 .. 1.0 (cached blocks nobody holds count as free)."""
         return (self.num_blocks - self.num_free_blocks) / self.num_blocks
 
     @property
