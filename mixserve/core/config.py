@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+# limits where 0 means "no limit"
+ZERO_MEANS_NO_LIMIT = frozenset({"max_partial_prefills", "long_prefill_threshold",
+                                 "max_long_partial_prefills"})
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -13,6 +17,11 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     block_size: int = 16
     num_blocks: int = 1024
+    # Prompts part-way through their prefill at once, and of those the prompts longer than
+    # long_prefill_threshold tokens (core/prefill_limits.py); 0 = no limit, the seed's behaviour.
+    max_partial_prefills: int = 0
+    long_prefill_threshold: int = 0
+    max_long_partial_prefills: int = 0
     # Share the K/V of full blocks between requests with the same prefix (core/prefix_cache.py). Off here
     # so the core's contract is unchanged; the engine turns it on ([engine] enable_prefix_caching).
     enable_prefix_caching: bool = False
@@ -25,6 +34,10 @@ class SchedulerConfig:
                     raise ValueError(f"SchedulerConfig.{f.name} must be True or False, got {value!r}")
                 continue
             # bool is an int subclass; True as a budget is a mistake, not a 1
+            if f.name in ZERO_MEANS_NO_LIMIT:
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise ValueError(f"SchedulerConfig.{f.name} must be an integer >= 0, got {value!r}")
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"SchedulerConfig.{f.name} must be a positive integer, got {value!r}")
 

@@ -8,7 +8,9 @@ from collections.abc import Mapping, Sequence
 from mixserve.core.batch import Chunk, RequestId, ScheduleOutput
 from mixserve.core.blocks import BlockSpace
 from mixserve.core.config import SchedulerConfig
+from mixserve.core.cost_model import StepFeatures, TpotBudget, step_features
 from mixserve.core.policy import PrefillPolicy, WholePrompt
+from mixserve.core.prefill_limits import Admit, PartialPrefills
 from mixserve.core.prefix_cache import PrefixCache, new_pool
 from mixserve.core.request import Request, Status
 from mixserve.core.stats import SchedulerStats
@@ -56,6 +58,7 @@ class Scheduler:
         self.blocks: BlockSpace = blocks if blocks is not None else new_pool(cfg)
         self._cache: PrefixCache | None = PrefixCache.for_config(cfg, self.blocks)  # None: caching off
         self.policy: PrefillPolicy = WholePrompt()
+        self.step_budget: TpotBudget | None = None  # None: every step's budget is max_batch_tokens
         self._requests: dict[RequestId, Request] = {}
         self._waiting: deque[Request] = deque()  # arrival order; preempted requests go back in front
         self._running: list[Request] = []  # admission order: the last one is preempted first
@@ -66,6 +69,11 @@ class Scheduler:
     def with_prefill_policy(self, policy: PrefillPolicy) -> Scheduler:
         """Use `policy` for every prefill from now on; returns self."""
         self.policy = policy
+        return self
+
+    def with_step_budget(self, budget: TpotBudget | None) -> Scheduler:
+        """While decodes run, let `budget` (a TPOT target) cap the chunks of each step; returns self."""
+        self.step_budget = budget
         return self
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -112,15 +120,24 @@ class Scheduler:
                     step.decodes[r.request_id] = None
                     r.num_computed += 1
         # 2. Requests part-way through their prefill, oldest first.
+        partial = PartialPrefills(self.cfg, (r.prefill_end for r in self._running if r.is_prefilling))
         for r in list(self._running):
             if r.status is Status.RUNNING and r.is_prefilling:
                 if self._schedule_chunk(r, step) == 0:
                     break
-        # 3. Waiting requests in arrival order; one that cannot start holds back those behind it.
+        # 3. Waiting requests in arrival order; one that cannot start holds back those behind it, except a
+        #    long prompt over max_long_partial_prefills: shorter ones may pass it (prefill_limits.py).
+        passed: list[Request] = []
         while self._waiting and len(self._running) < self.cfg.max_num_seqs:
             r = self._waiting[0]
             if r.request_id in step.preempted:  # it just gave its blocks back: not again this step
                 break
+            admit = partial.admits(len(r.tokens))
+            if admit is not Admit.YES:
+                if admit is Admit.STOP:
+                    break
+                passed.append(self._waiting.popleft())
+                continue
             r.prefill_end = len(r.tokens)
             if self._cache is not None:
                 self._cache.admit(r)  # its prefill starts after the longest cached run of its blocks
@@ -128,6 +145,8 @@ class Scheduler:
                 if self._cache is not None:
                     self._cache.undo(r)
                 break
+            partial.add(len(r.tokens))
+        self._waiting.extendleft(reversed(passed))
         self._last_step = step.output()
         return self._last_step
 
@@ -135,6 +154,8 @@ class Scheduler:
         """Give `r` its next chunk under the policy; returns its length (0: it must wait)."""
         remaining = r.prefill_end - r.num_computed
         budget_left, alone = step.budget_left, step.alone
+        if self.step_budget is not None and step.decodes:  # no decodes: nothing to protect
+            budget_left = self.step_budget.chunk_budget(self._features(step), r.num_computed, budget_left)
         length = self.policy.chunk_len(remaining, budget_left, alone)
         if not 0 <= length <= remaining or (length > budget_left and not alone):
             raise ValueError(
@@ -155,6 +176,11 @@ class Scheduler:
         step.chunks[r.request_id] = Chunk(r.request_id, start, length, start + length == len(r.tokens))
         r.num_computed += length
         return length
+
+    def _features(self, step: _Step) -> StepFeatures:
+        """The step so far as the cost model sees it: each decode at n - 1, each chunk from its start."""
+        decodes = ((len(self._requests[rid].tokens) - 1, 1) for rid in step.decodes)
+        return step_features([*decodes, *((c.start, c.length) for c in step.chunks.values())])
 
     def _reserve(self, r: Request, upto: int, step: _Step, may_preempt: bool = True) -> bool:
         """Give `r` blocks for positions < upto, preempting the newest running requests if need be.

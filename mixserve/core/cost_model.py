@@ -1,0 +1,238 @@
+"""The step cost model: a step's duration from its tokens and the context they attend to, fit online,
+and the step budget a TPOT target draws from it (`TpotBudget`, the scheduler's hook)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from itertools import combinations
+from pathlib import Path
+
+# Features are scaled before the fit so the normal equations stay well conditioned: a step holds up to
+# thousands of tokens and millions of (token, position) pairs.
+TOKEN_SCALE = 1e3
+PAIR_SCALE = 1e6
+# Each size bucket (tokens per step, by powers of two) forgets with this window (in its own steps): a run
+# of many decode-only steps then cannot wash out what the rarer big prefill steps taught the fit.
+DEFAULT_WINDOW = 64
+FORMAT = "mixserve-step-cost/1"
+
+
+def attended_pairs(start: int, length: int) -> int:
+    """(token, position) pairs that `length` causal tokens at positions `start ..` attend to."""
+    return length * start + length * (length + 1) // 2
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What the cost of a step depends on: its tokens and the context they attend to."""
+
+    num_tokens: int = 0
+    num_pairs: int = 0
+
+    def plus(self, start: int, length: int) -> StepFeatures:
+        """These features with one more sequence of `length` tokens at positions `start ..`."""
+        return StepFeatures(self.num_tokens + length, self.num_pairs + attended_pairs(start, length))
+
+
+def step_features(seqs: Iterable[tuple[int, int]]) -> StepFeatures:
+    """The features of a step from its sequences' (start, length) pairs."""
+    f = StepFeatures()
+    for start, length in seqs:
+        f = f.plus(start, length)
+    return f
+
+
+@dataclass(frozen=True)
+class CostCoefficients:
+    """Step time = overhead_s + per_token_s * tokens + per_pair_s * attended (token, position) pairs."""
+
+    overhead_s: float = 0.0
+    per_token_s: float = 0.0
+    per_pair_s: float = 0.0
+
+    def predict(self, f: StepFeatures) -> float:
+        return self.overhead_s + self.per_token_s * f.num_tokens + self.per_pair_s * f.num_pairs
+
+    def as_list(self) -> list[float]:
+        return [self.overhead_s, self.per_token_s, self.per_pair_s]
+
+
+def _x(f: StepFeatures) -> tuple[float, float, float]:
+    return (1.0, f.num_tokens / TOKEN_SCALE, f.num_pairs / PAIR_SCALE)
+
+
+@dataclass
+class _Bucket:
+    """Decayed least-squares sums (X'X, X'y, y'y) of the steps of one size range."""
+
+    xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
+    xy: list[float] = field(default_factory=lambda: [0.0] * 3)
+    yy: float = 0.0
+    weight: float = 0.0
+
+    def add(self, x: tuple[float, float, float], y: float, decay: float) -> None:
+        for i in range(3):
+            self.xy[i] = self.xy[i] * decay + x[i] * y
+            for j in range(3):
+                self.xx[i][j] = self.xx[i][j] * decay + x[i] * x[j]
+        self.yy = self.yy * decay + y * y
+        self.weight = self.weight * decay + 1.0
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None if singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-12:
+            return None
+        m[c], m[p] = m[p], m[c]
+        for r in range(c + 1, n):
+            k = m[r][c] / m[c][c]
+            for j in range(c, n + 1):
+                m[r][j] -= k * m[c][j]
+    out = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        out[r] = (m[r][n] - sum(m[r][j] * out[j] for j in range(r + 1, n))) / m[r][r]
+    return out
+
+
+def nonnegative_fit(xx: list[list[float]], xy: list[float], yy: float) -> list[float]:
+    """The least-squares coefficients >= 0 (exact for three features: the best of every feature subset)."""
+    best, best_sse = [0.0, 0.0, 0.0], yy
+    for k in (3, 2, 1):
+        for subset in combinations(range(3), k):
+            sol = _solve([[xx[i][j] for j in subset] for i in subset], [xy[i] for i in subset])
+            if sol is None or any(c < 0 for c in sol):
+                continue
+            c = [0.0, 0.0, 0.0]
+            for i, v in zip(subset, sol, strict=True):
+                c[i] = v
+            sse = yy - 2 * sum(c[i] * xy[i] for i in range(3)) + sum(
+                c[i] * xx[i][j] * c[j] for i in range(3) for j in range(3))
+            if sse < best_sse - 1e-15:
+                best, best_sse = c, sse
+    return best
+
+
+class StepCostModel:
+    """Online least-squares fit of `CostCoefficients` to observed step durations.
+
+    Until it has observed anything it predicts with `prior`. Steps are kept as decayed sums per size
+    bucket (powers of two of the step's tokens), refit lazily when the coefficients are next read.
+    """
+
+    def __init__(self, prior: CostCoefficients | None = None, window: int = DEFAULT_WINDOW) -> None:
+        self.prior = prior or CostCoefficients()
+        self.decay = 1.0 - 1.0 / window
+        self.window = window
+        self._buckets: dict[int, _Bucket] = {}
+        self._fit: CostCoefficients | None = None
+        self.num_samples = 0
+
+    def observe(self, f: StepFeatures, seconds: float) -> None:
+        """Learn from one step that took `seconds`."""
+        if f.num_tokens <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        self._buckets.setdefault(f.num_tokens.bit_length(), _Bucket()).add(_x(f), seconds, self.decay)
+        self.num_samples += 1
+        self._fit = None
+
+    @property
+    def coefficients(self) -> CostCoefficients:
+        if not self._buckets:
+            return self.prior
+        if self._fit is None:
+            xx = [[sum(b.xx[i][j] for b in self._buckets.values()) for j in range(3)] for i in range(3)]
+            xy = [sum(b.xy[i] for b in self._buckets.values()) for i in range(3)]
+            c = nonnegative_fit(xx, xy, sum(b.yy for b in self._buckets.values()))
+            self._fit = CostCoefficients(c[0], c[1] / TOKEN_SCALE, c[2] / PAIR_SCALE)
+        return self._fit
+
+    def predict(self, f: StepFeatures) -> float:
+        return self.coefficients.predict(f)
+
+    # ---- the JSON file (`mixserve simulate --cost-model`, written by serve on shutdown and --profile) --
+
+    def to_dict(self, **info: object) -> dict:
+        """The coefficients, and the fit's state so that a loaded model keeps learning where it was."""
+        return {"format": FORMAT, **asdict(self.coefficients), "num_samples": self.num_samples,
+                "window": self.window, "info": info,
+                "buckets": {str(k): asdict(b) for k, b in sorted(self._buckets.items())}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepCostModel:
+        """The inverse of to_dict; ValueError (one line) for a file that is not a cost model."""
+        try:
+            coeffs = CostCoefficients(float(d["overhead_s"]), float(d["per_token_s"]), float(d["per_pair_s"]))
+            model = cls(coeffs, int(d.get("window", DEFAULT_WINDOW)))
+            for k, b in (d.get("buckets") or {}).items():
+                xx = [[float(v) for v in row] for row in b["xx"]]
+                xy = [float(v) for v in b["xy"]]
+                model._buckets[int(k)] = _Bucket(xx, xy, float(b["yy"]), float(b["weight"]))
+            model.num_samples = int(d.get("num_samples", 0))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"not a step cost model ({type(e).__name__}: {e})") from None
+        if any(c < 0 or not math.isfinite(c) for c in coeffs.as_list()):
+            raise ValueError("a step cost model's coefficients must be finite and >= 0")
+        return model
+
+    def save(self, path: str | Path, **info: object) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(**info), indent=1) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepCostModel:
+        """Read a cost model file; ValueError naming the file for a missing or bad one."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read the cost model ({e.strerror})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+        try:
+            return cls.from_dict(data if isinstance(data, dict) else {})
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+
+class TpotBudget:
+    """The step budget under a TPOT target: a chunk may fill the step until its predicted time reaches it.
+
+    The scheduler asks only while decodes run in the step (no decodes, nothing to protect: the plain
+    budget). Decodes are scheduled before any chunk, so they are never cut; a decode-only step already
+    over the target gets no chunk at all.
+    """
+
+    def __init__(self, model: StepCostModel, target_s: float) -> None:
+        if not target_s > 0:
+            raise ValueError(f"the TPOT target must be > 0 s, got {target_s!r}")
+        self.model = model
+        self.target_s = target_s
+
+    def chunk_budget(self, step: StepFeatures, start: int, budget_left: int) -> int:
+        """The largest chunk length <= budget_left, at positions `start ..`, that keeps the step's
+        predicted time within the target (0 if even one token would not)."""
+        c = self.model.coefficients
+        time_left = self.target_s - c.predict(step)
+        if time_left < 0 or budget_left <= 0:
+            return 0
+        # c.tok*L + c.pair*(L*start + L(L+1)/2) <= time_left: a quadratic increasing in L
+        a = c.per_pair_s / 2
+        b = c.per_token_s + c.per_pair_s * (start + 0.5)
+        if a > 0:
+            length = (-b + math.sqrt(b * b + 4 * a * time_left)) / (2 * a)
+        elif b > 0:
+            length = time_left / b
+        else:
+            return budget_left
+        n = min(budget_left, max(0, math.floor(length)))
+        # the float root may be one off either way: settle it on the exact prediction
+        while n < budget_left and c.predict(step.plus(start, n + 1)) <= self.target_s:
+            n += 1
+        while n > 0 and c.predict(step.plus(start, n)) > self.target_s:
+            n -= 1
+        return n

@@ -1,0 +1,160 @@
+"""The step cost model and the TPOT-target budget: the fit, the file, and the budget's guarantees."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mixserve.core import BlockPool, Chunked, Scheduler, SchedulerConfig, plan
+from mixserve.core.cost_model import (
+    CostCoefficients,
+    StepCostModel,
+    StepFeatures,
+    TpotBudget,
+    attended_pairs,
+    step_features,
+)
+
+TRUE = CostCoefficients(overhead_s=0.02, per_token_s=0.0015, per_pair_s=4e-8)
+
+
+def test_attended_pairs_is_causal():
+    assert attended_pairs(0, 1) == 1
+    assert attended_pairs(0, 4) == 1 + 2 + 3 + 4
+    assert attended_pairs(9, 1) == 10  # a decode at position 9 attends to 10 positions
+    assert attended_pairs(4, 2) == 5 + 6
+    # chunking changes when the pairs are computed, never how many
+    assert attended_pairs(0, 10) == attended_pairs(0, 4) + attended_pairs(4, 4) + attended_pairs(8, 2)
+    assert step_features([(9, 1), (0, 4)]) == StepFeatures(5, 20)
+
+
+def _random_step(rng: random.Random) -> StepFeatures:
+    decodes = [(rng.randint(30, 1500), 1) for _ in range(rng.randint(0, 40))]
+    chunks = [(rng.randint(0, 1200), rng.randint(1, 400)) for _ in range(rng.randint(0, 2))]
+    return step_features(decodes + chunks) if decodes or chunks else StepFeatures(1, 1)
+
+
+def test_fit_recovers_known_coefficients():
+    rng = random.Random(0)
+    model = StepCostModel()
+    for _ in range(400):
+        f = _random_step(rng)
+        model.observe(f, TRUE.predict(f) * rng.uniform(0.99, 1.01))  # 1% noise
+    got = model.coefficients
+    assert got.overhead_s == pytest.approx(TRUE.overhead_s, rel=0.1)
+    assert got.per_token_s == pytest.approx(TRUE.per_token_s, rel=0.05)
+    assert got.per_pair_s == pytest.approx(TRUE.per_pair_s, rel=0.1)
+    for f in (StepFeatures(1, 100), StepFeatures(512, 200_000), StepFeatures(2048, 2_000_000)):
+        assert model.predict(f) == pytest.approx(TRUE.predict(f), rel=0.02)
+
+
+def test_fit_is_never_negative():
+    # time falling with tokens (noise, or a machine that got less busy): the fit clamps rather than
+    # predicting a negative cost for a big step
+    model = StepCostModel()
+    for n, t in ((1, 0.05), (8, 0.049), (64, 0.048), (256, 0.047)):
+        model.observe(StepFeatures(n, n * 10), t)
+    c = model.coefficients
+    assert min(c.as_list()) >= 0
+    assert model.predict(StepFeatures(4096, 10**7)) > 0
+
+
+def test_many_small_steps_do_not_wash_out_big_ones():
+    """Decode-only steps far outnumber prefill steps; each size bucket keeps its own recent window."""
+    rng = random.Random(1)
+    model = StepCostModel(window=32)
+    for _ in range(40):
+        f = step_features([(0, rng.randint(200, 500))])
+        model.observe(f, TRUE.predict(f))
+    for _ in range(3000):
+        f = step_features([(rng.randint(50, 100), 1) for _ in range(rng.randint(20, 30))])
+        model.observe(f, TRUE.predict(f) * rng.uniform(0.98, 1.02))
+    big = step_features([(0, 400)])
+    assert model.predict(big) == pytest.approx(TRUE.predict(big), rel=0.05)
+
+
+def test_model_file_round_trip(tmp_path):
+    model = StepCostModel()
+    rng = random.Random(2)
+    for _ in range(50):
+        f = _random_step(rng)
+        model.observe(f, TRUE.predict(f))
+    path = tmp_path / "cost.json"
+    model.save(path, source="test")
+    loaded = StepCostModel.load(path)
+    assert loaded.coefficients.as_list() == pytest.approx(model.coefficients.as_list())
+    assert loaded.num_samples == 50
+    f = StepFeatures(300, 100_000)  # it keeps learning from where it was
+    model.observe(f, 1.0)
+    loaded.observe(f, 1.0)
+    assert loaded.coefficients.as_list() == pytest.approx(model.coefficients.as_list())
+    # only coefficients: a fixed model
+    fixed = StepCostModel.from_dict({"overhead_s": 0.01, "per_token_s": 0.001, "per_pair_s": 0.0})
+    assert fixed.predict(StepFeatures(10, 0)) == pytest.approx(0.02)
+
+
+@pytest.mark.parametrize("text", ["{", "[]", '{"overhead_s": "x", "per_token_s": 0, "per_pair_s": 0}',
+                                  '{"overhead_s": -1, "per_token_s": 0, "per_pair_s": 0}'])
+def test_bad_model_file_is_one_line(tmp_path, text):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="bad.json") as e:
+        StepCostModel.load(path)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="missing.json"):
+        StepCostModel.load(tmp_path / "missing.json")
+
+
+def test_chunk_budget_is_the_largest_chunk_within_the_target():
+    budget = TpotBudget(StepCostModel(TRUE), target_s=0.4)
+    step = step_features([(500, 1)] * 20)
+    for start in (0, 300, 1400):
+        n = budget.chunk_budget(step, start, 2048)
+        assert TRUE.predict(step.plus(start, n)) <= 0.4 < TRUE.predict(step.plus(start, n + 1))
+    assert budget.chunk_budget(step, 0, 7) == 7  # never more than the token budget left
+    slow = step_features([(500, 1)] * 300)  # decodes alone already over the target
+    assert TRUE.predict(slow) > 0.4 and budget.chunk_budget(slow, 0, 2048) == 0
+    with pytest.raises(ValueError, match="target"):
+        TpotBudget(StepCostModel(TRUE), 0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_target_never_exceeds_the_budget_nor_starves_a_decode(seed):
+    """Random arrivals, a fake clock that a synthetic cost advances, a model learning it online."""
+    rng = random.Random(seed)
+    target, max_batch = rng.choice([0.15, 0.3, 0.6]), rng.choice([64, 512, 2048])
+    cost = CostCoefficients(rng.uniform(0.005, 0.03), rng.uniform(2e-4, 2e-3), rng.uniform(1e-8, 1e-7))
+    model = StepCostModel()  # learns from nothing: zero cost until it has seen steps
+    cfg = SchedulerConfig(max_batch, max_num_seqs=24, block_size=16, num_blocks=4096)
+    s = Scheduler(cfg, BlockPool(4096)).with_prefill_policy(Chunked(max_batch))
+    s.with_step_budget(TpotBudget(model, target))
+    arrivals = sorted((rng.uniform(0, 20), rng.choice([rng.randint(8, 120), rng.randint(600, 2000)]),
+                       rng.randint(1, 40)) for _ in range(60))
+    clock, last_token, pending, n = 0.0, {}, list(arrivals), 0
+    while pending or s.has_unfinished():
+        while pending and pending[0][0] <= clock:
+            _, prompt_len, max_tokens = pending.pop(0)
+            s.add_request(f"r{n}", [1] * prompt_len, max_tokens)
+            n += 1
+        if not s.has_unfinished():
+            clock = pending[0][0]
+            continue
+        ready = {rid for rid in s._requests if s.request(rid).is_decode_ready and rid in last_token}
+        predicted_model = model.coefficients
+        out = s.schedule()
+        assert 0 < out.num_tokens <= max_batch
+        assert ready <= set(out.decodes), "a running decode was left out of a step"
+        f = step_features((seq.start, len(seq.tokens)) for seq in plan(s, out).batch.seqs)
+        if out.decodes and out.chunks:
+            assert predicted_model.predict(f) <= target + 1e-12
+        duration = cost.predict(f)
+        clock += duration
+        model.observe(f, duration)
+        p = plan(s, out)
+        sampled = {rid: 7 for _, rid in p.sample}
+        for rid in sampled:
+            last_token[rid] = clock
+        for rid in s.update(out, sampled):
+            last_token.pop(rid)
+    assert n == len(arrivals)
