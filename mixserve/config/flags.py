@@ -29,6 +29,11 @@ ENGINE_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "--num-blocks": ("num_blocks", int),
     "--max-model-len": ("max_model_len", int),
     "--step-trace": ("step_trace", str),
+    "--tpot-target-ms": ("tpot_target_ms", float),
+    "--max-partial-prefills": ("max_partial_prefills", int),
+    "--long-prefill-threshold": ("long_prefill_threshold", int),
+    "--max-long-partial-prefills": ("max_long_partial_prefills", int),
+    "--cost-model": ("cost_model", str),
     "--attention-backend": ("attention_backend", str),
     "--cuda-graphs": ("cuda_graphs", on_off),
     "--threads": ("threads", int),
@@ -43,7 +48,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", default=None, help="runtime.toml to read")
     group = parser.add_argument_group("engine (override the [engine] table of --config)")
     for flag, (key, kind) in ENGINE_FLAGS.items():
-        metavar = {int: "INT", on_off: "on|off"}.get(kind, "STR")
+        metavar = {int: "INT", float: "NUMBER", on_off: "on|off"}.get(kind, "STR")
         group.add_argument(flag, dest=f"engine_{key}", metavar=metavar,
                            default=None, help=f"[engine].{key}")
 
@@ -58,7 +63,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         try:
             engine[key] = kind(raw)
         except ValueError:
-            expected = "on or off" if kind is on_off else "an integer"
+            expected = {on_off: "on or off", float: "a number"}.get(kind, "an integer")
             raise ConfigError(f"{flag}: must be {expected}, got {raw!r}") from None
     return {"engine": engine}
 

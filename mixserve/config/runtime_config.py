@@ -19,6 +19,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_model_len: int = 0
     step_trace: str = ""
+    tpot_target_ms: float = 0
+    max_partial_prefills: int = 0
+    long_prefill_threshold: int = 0
+    max_long_partial_prefills: int = 0
+    cost_model: str = ""
     attention_backend: str = "auto"
     cuda_graphs: bool = True
     threads: int = 0

@@ -24,6 +24,7 @@ from mixserve.core import (
 from mixserve.engine.outputs import RequestUpdate, TokenLogprobs
 from mixserve.engine.request_state import RequestState
 from mixserve.engine.sampling_params import SamplingParams
+from mixserve.engine.step_cost import StepCost
 from mixserve.engine.threads import bind_threads, bound_while_loading, set_threads
 from mixserve.runner.sampler import Sampler, SamplingRow, row_seed
 
@@ -90,12 +91,20 @@ class LLMEngine:
             max_num_seqs=cfg.max_num_seqs,
             block_size=runner.block_size,
             num_blocks=self.num_blocks,
+            max_partial_prefills=cfg.max_partial_prefills,
+            long_prefill_threshold=cfg.long_prefill_threshold,
+            max_long_partial_prefills=cfg.max_long_partial_prefills,
         )
         policy = Chunked(cfg.prefill_chunk) if cfg.prefill_chunk > 0 else WholePrompt()
+        if cfg.tpot_target_ms > 0:  # the target sizes the chunks: min(remaining, budget left)
+            policy = Chunked(cfg.max_batch_tokens)
         self.scheduler = Scheduler(sched_cfg).with_prefill_policy(policy)
         self.sampler = Sampler(cfg.seed, runner.device)
         self.num_threads = set_threads(cfg.threads) if torch.device(runner.device).type == "cpu" else 0
         self._bound_thread: int | None = None
+        # after set_threads: with a TPOT target and no cost model file it profiles the runner first
+        self.step_cost = StepCost(cfg, runner, self.scheduler, self.num_blocks)
+        self._cost_fields: dict = {}  # the last step's prediction, for its trace line
         self._requests: dict[str, RequestState] = {}
         self._trace: IO[str] | None = open(cfg.step_trace, "a", encoding="utf-8") if cfg.step_trace else None
         self._num_steps = 0
@@ -185,6 +194,7 @@ class LLMEngine:
         if out.num_tokens == 0:
             return []
         step_plan = plan(self.scheduler, out)
+        self.step_cost.begin(step_plan.batch)
         logits = self.runner.forward(step_plan.batch)
         sampled = self._sample(logits, step_plan.sample)
         finished = self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
@@ -234,6 +244,7 @@ class LLMEngine:
                   updates: list[RequestUpdate]) -> list[RequestUpdate]:
         """Count the step and write its trace line."""
         duration = time.monotonic() - start
+        self._cost_fields = self.step_cost.end(duration)
         self._num_steps += 1
         self._prompt_tokens += prompt_tokens
         self._generation_tokens += len(updates)
@@ -257,7 +268,8 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Close the step trace file."""
+        """Close the step trace file and write the step cost model (`[engine] cost_model`, if set)."""
+        self.step_cost.save()
         if self._trace is not None:
             self._trace.close()
             self._trace = None
@@ -286,6 +298,7 @@ class LLMEngine:
             "prefill_tokens": num_tokens - len(decodes),
             "num_seqs": num_seqs,
             "duration_s": dur,
+            **self._cost_fields,
         }
         self._trace.write(json.dumps(line) + "\n")
         self._trace.flush()

@@ -1,0 +1,126 @@
+"""The engine's side of the step cost model: it learns from every step's duration, is seeded (only when a
+TPOT target is on) by a bounded start-up profile, feeds the scheduler's TpotBudget, and is written to
+`[engine] cost_model` on close, for `mixserve simulate`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from mixserve.core import ForwardBatch, ForwardSeq, Scheduler
+from mixserve.core.cost_model import StepCostModel, StepFeatures, TpotBudget, step_features
+
+logger = logging.getLogger(__name__)
+
+# The start-up profile stops after this long, whatever it has measured by then: a slow machine gets a
+# rougher seed, which the online fit then corrects within a few dozen steps.
+PROFILE_BUDGET_S = 6.0
+PROFILE_REPEATS = 2
+
+
+def profile_shapes(max_batch_tokens: int, max_num_seqs: int,
+                   max_len: int) -> list[tuple[list[tuple[int, int]], str]]:
+    """The steps the profile times, cheapest first: (start, length) per sequence, and a name.
+
+    Decode-only steps at two context lengths, prefill chunks up to the budget, and chunks beside decodes:
+    spread over tokens and attended pairs, so all three coefficients are determined.
+    """
+    shapes: list[tuple[list[tuple[int, int]], str]] = []
+    for n in sorted({1, min(8, max_num_seqs), min(32, max_num_seqs)}):
+        for ctx in (64, 512):
+            shapes.append(([(ctx - 1, 1)] * n, f"{n} decodes at {ctx}"))
+    for t in (16, 64, 128, 256, 512, 1024, 2048):
+        if t <= max_batch_tokens:
+            shapes.append(([(0, t)], f"chunk {t} at 0"))
+            shapes.append(([(1024, t)], f"chunk {t} at 1024"))
+            if t + 16 <= max_batch_tokens and max_num_seqs > 16:
+                shapes.append(([(255, 1)] * 16 + [(0, t)], f"16 decodes + chunk {t}"))
+    return [(seqs, name) for seqs, name in shapes if max(start + n for start, n in seqs) <= max_len]
+
+
+def profile(runner: Any, model: StepCostModel, block_ids: list[int], max_batch_tokens: int,
+            max_num_seqs: int, budget_s: float = PROFILE_BUDGET_S) -> int:
+    """Time forwards of synthetic steps on `block_ids` (scratch: no request holds them yet) and teach
+    `model`; not through the step trace. Returns the steps timed."""
+    bs = runner.block_size
+    deadline = time.monotonic() + budget_s
+    timed = 0
+    next_block = 0
+
+    def table(upto: int) -> list[int]:
+        nonlocal next_block
+        need = -(-upto // bs)
+        out = [block_ids[(next_block + i) % len(block_ids)] for i in range(need)]
+        next_block += need
+        return out
+
+    shapes = profile_shapes(max_batch_tokens, max_num_seqs, getattr(runner, "max_model_len", 1 << 30))
+    for i, (seqs, _name) in enumerate(shapes):
+        batch = ForwardBatch([ForwardSeq(f"profile-{j}", [1] * n, start, table(start + n))
+                              for j, (start, n) in enumerate(seqs)])
+        f = step_features(seqs)
+        for rep in range(PROFILE_REPEATS + (i == 0)):  # the very first forward also warms up: not timed
+            if time.monotonic() > deadline:
+                return timed
+            t0 = time.monotonic()
+            _sync(runner.forward(batch))
+            if i > 0 or rep > 0:
+                model.observe(f, time.monotonic() - t0)
+                timed += 1
+    return timed
+
+
+def _sync(logits: Any) -> None:
+    """Wait for the device (a CUDA forward returns before it has run)."""
+    if hasattr(logits, "sum"):
+        logits.sum().item()
+
+
+class StepCost:
+    """The cost model of one engine, and the TPOT target's budget when `tpot_target_ms` is set."""
+
+    def __init__(self, cfg: Any, runner: Any, scheduler: Scheduler, num_blocks: int) -> None:
+        self.path = cfg.cost_model
+        # a model written by an earlier run is its seed; it then goes on learning from this run's steps
+        self.model = StepCostModel.load(self.path) if self.path and Path(self.path).exists() \
+            else StepCostModel()
+        self.target_s = cfg.tpot_target_ms / 1000.0
+        self._features = StepFeatures()
+        self._predicted: float | None = None
+        self.profiled = 0
+        if self.target_s > 0:
+            if self.model.num_samples == 0:
+                start = time.monotonic()
+                # at start-up no request holds a block: the top of the pool is scratch
+                scratch = list(range(max(0, num_blocks - 2048), num_blocks))
+                self.profiled = profile(runner, self.model, scratch, cfg.max_batch_tokens, cfg.max_num_seqs)
+                logger.info("step cost profile: %d steps in %.1f s -> %s", self.profiled,
+                            time.monotonic() - start, self.model.coefficients)
+            scheduler.with_step_budget(TpotBudget(self.model, self.target_s))
+
+    def begin(self, batch: ForwardBatch) -> None:
+        """The step about to run: its features, and (target on) its predicted time."""
+        self._features = step_features((s.start, len(s.tokens)) for s in batch.seqs)
+        self._predicted = self.model.predict(self._features) if self.target_s > 0 else None
+
+    def end(self, duration_s: float) -> dict:
+        """Learn from the step that just ran; returns the step trace's cost fields."""
+        self.model.observe(self._features, duration_s)
+        if self._predicted is None:
+            return {}
+        return {"predicted_s": self._predicted, "cost_model": self.model.coefficients.as_list()}
+
+    @property
+    def last_predicted_s(self) -> float | None:
+        return self._predicted
+
+    def save(self) -> None:
+        """Write the model to `[engine] cost_model` (nothing when that is empty)."""
+        if not self.path:
+            return
+        try:
+            self.model.save(self.path, source="serve", target_ms=self.target_s * 1000)
+        except OSError as e:
+            logger.warning("cannot write the cost model to %s: %s", self.path, e.strerror)
