@@ -1,4 +1,5 @@
-"""`mixserve serve | generate | bench`: one module per subcommand, each with `register(subparsers)`."""
+"""`mixserve serve | generate | bench | simulate`: one module per subcommand, each with
+`register(subparsers)`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ SUBCOMMANDS = {
     "serve": "mixserve.cli.serve",
     "generate": "mixserve.cli.generate",
     "bench": "mixserve.cli.bench",
+    "simulate": "mixserve.cli.simulate",
 }
 
 

@@ -1,0 +1,126 @@
+"""`mixserve simulate`: replay a workload through the real Scheduler on a fake clock that a step cost model
+advances: no weights, no HTTP, seconds instead of minutes. The report is the bench's own (report.py), so a
+simulated run and a measured one compare line by line.
+
+The only module of the bench that imports the engine's core (pure Python): the scheduler being simulated.
+What it leaves out: the time between two steps (the server's dispatch, a few ms) and the HTTP stream.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from mixserve.bench.report import RequestResult
+from mixserve.bench.trace import StepRecord
+from mixserve.bench.workload import RequestSpec
+from mixserve.core import BlockPool, Chunked, Scheduler, SchedulerConfig, WholePrompt, plan
+from mixserve.core.cost_model import CostCoefficients, StepCostModel, TpotBudget, step_features
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """The [engine] keys that shape a schedule (num_blocks 0: enough for every request at once)."""
+
+    prefill_chunk: int = 256
+    max_batch_tokens: int = 512
+    max_num_seqs: int = 64
+    block_size: int = 16
+    num_blocks: int = 0
+    tpot_target_ms: float = 0
+    max_partial_prefills: int = 0
+    long_prefill_threshold: int = 0
+    max_long_partial_prefills: int = 0
+
+    @classmethod
+    def from_engine_config(cls, cfg: object) -> SimSettings:
+        return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
+
+
+@dataclass
+class SimRun:
+    """What a simulated run produced: the bench's per-request results, its duration, and every step."""
+
+    results: list[RequestResult]
+    duration_s: float
+    steps: list[StepRecord]
+
+
+def build_scheduler(s: SimSettings, cost: CostCoefficients, specs: Sequence[RequestSpec]) -> Scheduler:
+    """The scheduler as the engine builds it from the same settings."""
+    num_blocks = s.num_blocks or sum(-(-(x.prompt_len + x.output_len) // s.block_size) for x in specs) + 1
+    cfg = SchedulerConfig(s.max_batch_tokens, s.max_num_seqs, s.block_size, num_blocks,
+                          max_partial_prefills=s.max_partial_prefills,
+                          long_prefill_threshold=s.long_prefill_threshold,
+                          max_long_partial_prefills=s.max_long_partial_prefills)
+    sched = Scheduler(cfg, BlockPool(num_blocks))
+    if s.tpot_target_ms > 0:  # as LLMEngine: the target sizes every chunk
+        sched.with_prefill_policy(Chunked(s.max_batch_tokens))
+        sched.with_step_budget(TpotBudget(StepCostModel(cost), s.tpot_target_ms / 1000.0))
+    else:
+        sched.with_prefill_policy(Chunked(s.prefill_chunk) if s.prefill_chunk > 0 else WholePrompt())
+    return sched
+
+
+def simulate(specs: Sequence[RequestSpec], cost: CostCoefficients, s: SimSettings) -> SimRun:
+    """Run every request to its last token; each step lasts what `cost` predicts for it."""
+    for x in specs:
+        if x.prompt_len < 1 or x.output_len < 1:
+            raise ValueError(f"request {x.index}: prompt_len and output_len must be >= 1 (a text prompt "
+                             "has no known length: simulate needs token counts)")
+    sched = build_scheduler(s, cost, specs)
+    pending = sorted(specs, key=lambda x: (x.arrival_s, x.index))
+    results = {x.index: RequestResult(x.index, x.kind, x.prompt_len, x.output_len, ok=True, start=x.arrival_s,
+                                      prompt_tokens=x.prompt_len, completion_tokens=x.output_len)
+               for x in specs}
+    steps: list[StepRecord] = []
+    clock, i = 0.0, 0
+    while i < len(pending) or sched.has_unfinished():
+        while i < len(pending) and pending[i].arrival_s <= clock:  # joins between steps, as in the engine
+            x = pending[i]
+            sched.add_request(str(x.index), [1] * x.prompt_len, x.output_len)
+            i += 1
+        if not sched.has_unfinished():
+            clock = pending[i].arrival_s
+            continue
+        out = sched.schedule()
+        if out.num_tokens == 0:
+            raise RuntimeError("the scheduler scheduled nothing while requests are unfinished")
+        p = plan(sched, out)
+        duration = cost.predict(step_features((q.start, len(q.tokens)) for q in p.batch.seqs))
+        steps.append(StepRecord(clock, duration, len(out.decodes), out.num_tokens - len(out.decodes)))
+        clock += duration
+        sampled = {rid: 1 for _, rid in p.sample}
+        for rid in sampled:
+            results[int(rid)].token_times.append(clock)
+        for rid in sched.update(out, sampled):
+            results[int(rid)].end = clock
+            sched.abort(rid)  # forget it: a long replay keeps only what it reports
+    return SimRun([results[k] for k in sorted(results)], clock, steps)
+
+
+def load_requests(path: str | Path) -> list[RequestSpec]:
+    """A JSONL of {"arrival_s", "prompt_len", "output_len", "kind"?} lines; ValueError names the line."""
+    specs = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            arrival, prompt_len = float(row["arrival_s"]), int(row["prompt_len"])
+            output_len = int(row["output_len"])
+            kind = str(row.get("kind", "short"))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{path}: line {n}: needs arrival_s, prompt_len and output_len ({e})") from None
+        if arrival < 0 or prompt_len < 1 or output_len < 1:
+            raise ValueError(f"{path}: line {n}: arrival_s must be >= 0, prompt_len and output_len >= 1")
+        specs.append(RequestSpec(len(specs), arrival, [], prompt_len, output_len, kind))
+    if not specs:
+        raise ValueError(f"{path}: no requests")
+    return specs

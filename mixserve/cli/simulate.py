@@ -1,0 +1,120 @@
+"""`mixserve simulate`: a workload through the real scheduler on a step cost model, no weights; prints the
+report `mixserve bench` prints. `--profile` first measures the model on this machine and writes the file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from mixserve.bench.report import STALL_THRESHOLD_S, build_report, format_summary
+from mixserve.cli.bench import add_workload_flags, build_workload
+from mixserve.config import ConfigError, add_engine_flags, config_from_args
+from mixserve.core.cost_model import StepCostModel
+
+PROFILE_SECONDS = 20.0
+
+
+def register(subparsers: Any) -> None:
+    """Add the `simulate` subcommand."""
+    # resolve: the workload's --seed (what is sent) replaces the engine's sampler --seed, moot here
+    p = subparsers.add_parser(
+        "simulate", conflict_handler="resolve",
+        help="replay a workload through the scheduler on a step cost model (no weights, seconds)",
+        description="Replay a workload (the bench's, or --requests JSONL) through the real scheduler; each "
+                    "step lasts what the cost model (--cost-model FILE, written by `serve` on shutdown or by "
+                    "--profile) predicts. Prints the report of `mixserve bench`.")
+    add_engine_flags(p)  # --cost-model, --prefill-chunk, --max-batch-tokens, --tpot-target-ms, ...
+    add_workload_flags(p, "M")
+    p.add_argument("--requests", metavar="JSONL",
+                   help='a JSONL of {"arrival_s", "prompt_len", "output_len", "kind"} lines (instead of a '
+                        "bench workload)")
+    p.add_argument("--profile", action="store_true",
+                   help="load the model (--model, --dtype, --threads), time synthetic steps, write the cost "
+                        "model to --cost-model, then simulate")
+    p.add_argument("--profile-seconds", type=float, default=PROFILE_SECONDS,
+                   help="the profile's time bound (default %(default)s)")
+    p.add_argument("--stall-threshold", type=float, default=STALL_THRESHOLD_S,
+                   help="a gap between two tokens over this many seconds is a stall (default %(default)s)")
+    p.add_argument("--out", help="write the JSON report here")
+    p.add_argument("--plot", help="write the bench's picture of the run (CDFs, tokens over time) here")
+    p.add_argument("--timeline", help="write the step timeline picture here")
+    p.set_defaults(func=simulate_command)
+
+
+def profile_to_file(cfg: Any, path: str, seconds: float) -> StepCostModel:
+    """Load the model, time synthetic steps on its scratch KV blocks, and write the fit to `path`."""
+    from mixserve.engine.llm_engine import LLMEngine
+    from mixserve.engine.step_cost import profile
+
+    engine = LLMEngine.from_config(replace(cfg, tpot_target_ms=0, cost_model="", step_trace=""))
+    engine._bind_this_thread()  # as the step loop runs: this thread's pool, bound
+    model = StepCostModel()
+    n = engine.num_blocks
+    timed = profile(engine.runner, model, list(range(max(0, n - 2048), n)), cfg.max_batch_tokens,
+                    cfg.max_num_seqs, budget_s=seconds)
+    model.save(path, source="profile", steps=timed, model=cfg.model or "default", dtype=cfg.dtype)
+    print(f"mixserve simulate: profiled {timed} steps -> {path}", file=sys.stderr)
+    return model
+
+
+def simulate_command(args: argparse.Namespace) -> int:
+    from mixserve.bench.simulate import SimSettings, load_requests, simulate
+
+    try:
+        cfg = config_from_args(args).engine
+        if not cfg.cost_model:
+            raise ValueError("--cost-model FILE is required (written by `serve --cost-model` or --profile)")
+        if args.profile:
+            model = profile_to_file(cfg, cfg.cost_model, args.profile_seconds)
+        else:
+            model = StepCostModel.load(cfg.cost_model)
+        if args.requests:
+            specs = load_requests(args.requests)
+            desc: dict = {"workload": "requests", "requests": args.requests, "num_requests": len(specs)}
+        else:
+            specs, desc = build_workload(args)
+        settings = SimSettings.from_engine_config(cfg)
+        run = simulate(specs, model.coefficients, settings)
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"mixserve simulate: {e}", file=sys.stderr)
+        return 2
+    report = simulated_report(run, desc, settings, model, cfg.cost_model, args.stall_threshold)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    if args.plot or args.timeline:
+        from mixserve.bench.plot import Timeline, plot_run, plot_timelines
+
+        if args.plot:
+            plot_run(report, args.plot, title=f"simulated: {settings_label(settings)}")
+        if args.timeline:
+            longs = [x.arrival_s for x in specs if x.kind == "long"]
+            plot_timelines([Timeline(f"simulated: {settings_label(settings)}", run.steps,
+                                     settings.max_batch_tokens, longs)], args.timeline)
+    print(format_summary(report))
+    return 0
+
+
+def settings_label(s: Any) -> str:
+    what = f"chunk {s.prefill_chunk}" if s.prefill_chunk else "WholePrompt"
+    if s.tpot_target_ms:
+        what = f"target {s.tpot_target_ms:g} ms"
+    return f"{what}, budget {s.max_batch_tokens}"
+
+
+def simulated_report(run: Any, desc: dict, settings: Any, model: StepCostModel, path: str,
+                     stall_threshold: float) -> dict:
+    """The bench's JSON report of a simulated run, with its steps and the cost model it used."""
+    from mixserve.bench.run import request_records
+    from mixserve.bench.sweep import step_summary
+
+    info = dict(desc, simulated=True, label=settings_label(settings), cost_model=path,
+                cost_coefficients=asdict(model.coefficients), **asdict(settings))
+    report = build_report(run.results, run.duration_s, settings=info, stall_threshold=stall_threshold)
+    report["requests"] = request_records(run.results)
+    report["steps"] = step_summary(run.steps)
+    return report
