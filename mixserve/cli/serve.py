@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import signal
 import socket
 import sys
@@ -46,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"mixserve serve: {exc}", file=sys.stderr)
         return 2
 
+    # mixserve's own lines (the engine's periodic stats line at info) at the level uvicorn gets
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     # torch-side imports after the config is known good: a bad flag fails fast
     from mixserve.engine.async_engine import AsyncEngine
     from mixserve.engine.llm_engine import LLMEngine

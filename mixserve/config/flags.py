@@ -28,6 +28,7 @@ ENGINE_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "--block-size": ("block_size", int),
     "--num-blocks": ("num_blocks", int),
     "--max-model-len": ("max_model_len", int),
+    "--enable-prefix-caching": ("enable_prefix_caching", on_off),
     "--step-trace": ("step_trace", str),
     "--tpot-target-ms": ("tpot_target_ms", float),
     "--max-partial-prefills": ("max_partial_prefills", int),

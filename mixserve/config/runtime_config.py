@@ -18,6 +18,7 @@ class EngineConfig:
     cpu_kv_cache_gib: float = 2
     gpu_memory_utilization: float = 0.9
     max_model_len: int = 0
+    enable_prefix_caching: bool = True
     step_trace: str = ""
     tpot_target_ms: float = 0
     max_partial_prefills: int = 0

@@ -24,6 +24,7 @@ from mixserve.core import (
 from mixserve.engine.outputs import RequestUpdate, TokenLogprobs
 from mixserve.engine.request_state import RequestState
 from mixserve.engine.sampling_params import SamplingParams
+from mixserve.engine.stats_log import StatsLog
 from mixserve.engine.step_cost import StepCost
 from mixserve.engine.threads import bind_threads, bound_while_loading, set_threads
 from mixserve.runner.sampler import Sampler, SamplingRow, row_seed
@@ -94,6 +95,7 @@ class LLMEngine:
             max_partial_prefills=cfg.max_partial_prefills,
             long_prefill_threshold=cfg.long_prefill_threshold,
             max_long_partial_prefills=cfg.max_long_partial_prefills,
+            enable_prefix_caching=cfg.enable_prefix_caching,
         )
         policy = Chunked(cfg.prefill_chunk) if cfg.prefill_chunk > 0 else WholePrompt()
         if cfg.tpot_target_ms > 0:  # the target sizes the chunks: min(remaining, budget left)
@@ -110,6 +112,7 @@ class LLMEngine:
         self._num_steps = 0
         self._prompt_tokens = self._generation_tokens = 0
         self._step = (0, 0, 0, 0.0)  # prompt tokens, generation tokens, preemptions, duration
+        self._stats_log = StatsLog()
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> LLMEngine:
@@ -251,6 +254,7 @@ class LLMEngine:
         self._step = (prompt_tokens, len(updates), len(out.preempted), duration)
         if self._trace is not None:
             self._write_trace(wall, out.decodes, out.num_tokens, num_seqs, duration)
+        self._stats_log.maybe_log(self.stats)
         return updates
 
     def stats(self) -> EngineStats:

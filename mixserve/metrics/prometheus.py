@@ -45,6 +45,12 @@ class ServerMetrics:
         self.generation_tokens = Counter("mixserve:generation_tokens", "Output tokens generated.", registry=r)
         self.preemptions = Counter("mixserve:num_preemptions", "Requests preempted to free KV blocks.",
                                    registry=r)
+        self.prefix_queries = Counter("mixserve:prefix_cache_queries",
+                                      "Tokens of admitted requests looked up in the prefix cache.",
+                                      registry=r)
+        self.prefix_hits = Counter("mixserve:prefix_cache_hits",
+                                   "Of those, tokens whose KV came from the prefix cache.", registry=r)
+        self._prefix_seen = (0, 0)
         self.step_tokens = Histogram("mixserve:step_tokens", "Tokens (decodes + prefill chunks) per step.",
                                      buckets=STEP_TOKEN_BUCKETS, registry=r)
         self._preemptions_seen = 0
@@ -60,8 +66,22 @@ class ServerMetrics:
         if delta > 0:
             self.preemptions.inc(delta)
         self._preemptions_seen = max(self._preemptions_seen, stats.num_preemptions)
+        self._observe_prefix_cache(getattr(stats, "prefix_cache_queries", 0),
+                                   getattr(stats, "prefix_cache_hits", 0))
         if stepped and stats.step_tokens > 0:
             self.step_tokens.observe(stats.step_tokens)
+
+    def _observe_prefix_cache(self, queries: int, hits: int) -> None:
+        # totals since the scheduler was built; a smaller total means a new scheduler (a restarted
+        # engine), whose whole total is new
+        seen_q, seen_h = self._prefix_seen
+        if queries < seen_q or hits < seen_h:
+            seen_q = seen_h = 0
+        if queries > seen_q:
+            self.prefix_queries.inc(queries - seen_q)
+        if hits > seen_h:
+            self.prefix_hits.inc(hits - seen_h)
+        self._prefix_seen = (queries, hits)
 
     # -- request side
     def observe_first_token(self, ttft: float, prompt_tokens: int) -> None:
