@@ -141,6 +141,28 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path) -> Path:
     return _save(fig, path)
 
 
+def plot_frontier(rows: Sequence[dict], path: str | Path, stall_threshold: float = STALL_THRESHOLD_S) -> Path:
+    """Each sweep setting as a point: the short requests' worst gap against the long prompts' TTFT p50.
+
+    Both axes are costs: a fixed budget buys one with the other; a TPOT target should sit low and left.
+    """
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for r in rows:
+        if "error" in r or r.get("short_max_gap_s") is None or r.get("long_ttft_p50_s") is None:
+            continue
+        target = bool(r.get("tpot_target_ms"))
+        ax.scatter(r["short_max_gap_s"] * 1000, r["long_ttft_p50_s"], s=70, zorder=3,
+                   marker="*" if target else "o", color="tab:green" if target else "tab:blue")
+        ax.annotate(f"{r['setting']} ({r['short_stalled']} stalled)", (r["short_max_gap_s"] * 1000,
+                    r["long_ttft_p50_s"]), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    ax.axvline(stall_threshold * 1000, color="black", ls="--", lw=1, label=f"stall ({stall_threshold} s)")
+    ax.set(xscale="log", xlabel="short requests' worst gap between two tokens (ms, log scale)",
+           ylabel="long prompts' TTFT p50 (s)", title="the stall / long-prompt TTFT frontier")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="upper right")
+    return _save(fig, path)
+
+
 def _save(fig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

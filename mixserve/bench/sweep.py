@@ -6,13 +6,21 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
-from mixserve.bench.plot import Timeline, plot_run, plot_sweep_tpot, plot_sweep_ttft, plot_timelines
+from mixserve.bench.plot import (
+    Timeline,
+    plot_frontier,
+    plot_run,
+    plot_sweep_tpot,
+    plot_sweep_ttft,
+    plot_timelines,
+)
 from mixserve.bench.run import RunOptions, run_bench
 from mixserve.bench.server import DEFAULT_SERVER_CMD, ServerProcess, free_port, server_command
 from mixserve.bench.trace import StepRecord, read_step_trace
@@ -21,32 +29,46 @@ from mixserve.bench.workload import RequestSpec
 
 @dataclass(frozen=True)
 class Setting:
-    """One server configuration of the sweep; prefill_chunk 0 is WholePrompt."""
+    """One server configuration of the sweep; prefill_chunk 0 is WholePrompt; a TPOT target (ms) > 0 sizes
+    the chunks itself (prefill_chunk is then moot)."""
 
     prefill_chunk: int
     max_batch_tokens: int
+    tpot_target_ms: float = 0
 
     @property
     def policy(self) -> str:
+        if self.tpot_target_ms:
+            return f"TpotTarget({self.tpot_target_ms:g} ms)"
         return f"Chunked({self.prefill_chunk})" if self.prefill_chunk else "WholePrompt"
 
     @property
     def label(self) -> str:
         what = f"chunk {self.prefill_chunk}" if self.prefill_chunk else "WholePrompt"
+        if self.tpot_target_ms:
+            what = f"target {self.tpot_target_ms:g} ms"
         return f"{what}, budget {self.max_batch_tokens}"
 
     @property
     def slug(self) -> str:
         what = f"chunk{self.prefill_chunk}" if self.prefill_chunk else "whole"
+        if self.tpot_target_ms:
+            what = f"tpot{self.tpot_target_ms:g}"
         return f"{what}-b{self.max_batch_tokens}"
 
+    def server_args(self, extra: str, cost_model: Path) -> str:
+        """Extra server flags: the target, and where the server writes its cost model on shutdown."""
+        target = f" --tpot-target-ms {self.tpot_target_ms:g}" if self.tpot_target_ms else ""
+        return f"{extra}{target} --cost-model {shlex.quote(str(cost_model))}"
 
-def parse_settings(spec: str, budget: int, whole_prompt_budget: int = 0) -> list[Setting]:
+
+def parse_settings(spec: str, budget: int, whole_prompt_budget: int = 0, targets: str = "") -> list[Setting]:
     """Settings from "0,16,64,256" (each at `budget`; "CHUNK:BUDGET" sets its own).
 
     A chunk larger than its budget is capped to it (the budget caps every step anyway). whole_prompt_budget
     > 0 adds WholePrompt at that budget first: the big-budget case where a long prompt shares a step with
-    the decodes and stalls them, which chunking exists to fix.
+    the decodes and stalls them, which chunking exists to fix. `targets` ("0,200,400") adds one setting
+    per TPOT target > 0 at `budget` (0 is the fixed settings themselves).
     """
     settings: list[Setting] = []
     if whole_prompt_budget > 0:
@@ -60,6 +82,13 @@ def parse_settings(spec: str, budget: int, whole_prompt_budget: int = 0) -> list
             raise ValueError(f"bad setting {item!r}: prefill_chunk must be >= 0 and the budget >= 1")
         s = Setting(min(chunk, b), b)
         if s not in settings:
+            settings.append(s)
+    for item in (x.strip() for x in targets.split(",")):
+        target = float(item) if item else 0.0
+        if target < 0:
+            raise ValueError(f"bad TPOT target {item!r}: must be >= 0 (0 = the fixed settings)")
+        s = Setting(budget, budget, target)
+        if target > 0 and s not in settings:
             settings.append(s)
     return settings
 
@@ -113,11 +142,13 @@ def run_sweep(
         print(f"== {s.label}", file=sys.stderr, flush=True)
         trace = tmp / f"{s.slug}.steps.jsonl"
         trace.unlink(missing_ok=True)
+        cost_model = tmp / f"{s.slug}.cost.json"  # each run profiles afresh, and leaves its fit for simulate
+        cost_model.unlink(missing_ok=True)
         port = free_port()
         argv = server_command(server_cmd, port=port, chunk=s.prefill_chunk, budget=s.max_batch_tokens,
-                              trace=trace, extra_args=server_args)
+                              trace=trace, extra_args=s.server_args(server_args, cost_model))
         info = dict(workload, label=s.label, policy=s.policy, prefill_chunk=s.prefill_chunk,
-                    max_batch_tokens=s.max_batch_tokens, server_argv=argv)
+                    max_batch_tokens=s.max_batch_tokens, tpot_target_ms=s.tpot_target_ms, server_argv=argv)
         try:
             with ServerProcess(argv, port, tmp / f"{s.slug}.log"):
                 report = run_bench(f"http://127.0.0.1:{port}", specs, opts, settings=info)
@@ -141,6 +172,7 @@ def run_sweep(
     if timelines:
         plot_timelines(timelines, out / "timeline.png")
     rows = [table_row(s, r) for s, r in runs]
+    plot_frontier(rows, out / "frontier.png", opts.stall_threshold)
     summary = {"command": command, "machine": machine, "workload": workload, "options": asdict(opts),
                "rows": rows, "recommended": recommend(rows)}
     (out / "sweep.json").write_text(json.dumps(summary, indent=1))
@@ -157,7 +189,7 @@ def _run_line(report: dict) -> str:
 def table_row(s: Setting, report: dict) -> dict:
     """The figures PERF.md's workload M table reports, plus throughput, the longest step and the check."""
     row = {"setting": s.label, "policy": s.policy, "prefill_chunk": s.prefill_chunk,
-           "max_batch_tokens": s.max_batch_tokens}
+           "max_batch_tokens": s.max_batch_tokens, "tpot_target_ms": s.tpot_target_ms}
     if "error" in report:
         return dict(row, error=report["error"].splitlines()[0])
     short = report["classes"].get("short", {})
@@ -237,6 +269,9 @@ def markdown(summary: dict) -> str:
         "",
         "Without a failed or stalled request, the fastest long prompts (TTFT p50): "
         f"**{summary.get('recommended') or 'no setting'}**.",
+        "",
+        "frontier.png: each setting as a point of (the short requests' worst gap, the long prompts' TTFT "
+        "p50); a TPOT target's point should sit left of the stall line and as low as the big budgets'.",
         "",
     ]
     return "\n".join(lines)

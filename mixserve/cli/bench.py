@@ -85,6 +85,8 @@ def register(subparsers) -> None:
                    help="the token budget of each setting; chunks above it are capped (default 512)")
     s.add_argument("--whole-prompt-budget", type=int, default=2048,
                    help="also run WholePrompt at this big budget, the stall case (0 = skip; default 2048)")
+    s.add_argument("--tpot-target-ms", default="",
+                   help="comma-separated TPOT targets, each a setting at --max-batch-tokens (0 = none)")
     s.add_argument("--server-cmd", default=None,
                    help="server command template with {python} {port} {chunk} {budget} {trace}")
     s.add_argument("--server-args", default="", help="extra server flags, e.g. '--model PATH'")
@@ -162,7 +164,8 @@ def sweep_command(args: argparse.Namespace) -> int:
     from mixserve.bench.sweep import parse_settings, run_sweep
 
     try:
-        settings = parse_settings(args.prefill_chunk, args.max_batch_tokens, args.whole_prompt_budget)
+        settings = parse_settings(args.prefill_chunk, args.max_batch_tokens, args.whole_prompt_budget,
+                                  args.tpot_target_ms)
     except ValueError as e:
         print(f"mixserve bench sweep: {e}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ import pytest
 from mixserve.bench.plot import (
     Timeline,
     cdf_points,
+    plot_frontier,
     plot_run,
     plot_sweep_tpot,
     plot_sweep_ttft,
@@ -117,3 +118,28 @@ def test_cli_workload_m_takes_smaller_overrides():
     specs, _ = bench_cli.build_workload(args)
     assert sum(s.kind == "short" for s in specs) == 6
     assert [s.prompt_len for s in specs if s.kind == "long"] == [200] * 4
+
+
+def test_tpot_targets_are_settings_beside_the_fixed_budgets(tmp_path):
+    settings = parse_settings("256:256,256:512", 2048, whole_prompt_budget=2048, targets="0,200,400")
+    assert settings == [Setting(0, 2048), Setting(256, 256), Setting(256, 512), Setting(2048, 2048, 200),
+                        Setting(2048, 2048, 400)]
+    t = settings[-1]
+    assert (t.label, t.slug) == ("target 400 ms, budget 2048", "tpot400-b2048")
+    assert t.policy == "TpotTarget(400 ms)"
+    assert t.server_args("--dtype bfloat16", tmp_path / "c.json") == \
+        f"--dtype bfloat16 --tpot-target-ms 400 --cost-model {tmp_path / 'c.json'}"
+    assert "--tpot-target-ms" not in settings[0].server_args("", tmp_path / "c.json")
+    with pytest.raises(ValueError, match="TPOT target"):
+        parse_settings("64", 512, targets="-5")
+    args = parse(["bench", "sweep", "--tpot-target-ms", "0,400"])
+    assert args.tpot_target_ms == "0,400"
+
+
+def test_frontier_plot_draws_every_setting(tmp_path):
+    rows = [table_row(Setting(0, 2048), synthetic_report(0.9)),
+            table_row(Setting(512, 512, 400), synthetic_report(0.1, with_failure=False)),
+            table_row(Setting(16, 512), {"settings": {}, "error": "server exited with 1"})]
+    assert rows[1]["tpot_target_ms"] == 400
+    path = plot_frontier(rows, tmp_path / "frontier.png")
+    assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 10_000
