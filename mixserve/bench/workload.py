@@ -127,3 +127,28 @@ def load_dataset(
         specs.append(RequestSpec(i, arrival, prompt, n, int(row.get("output_len", output_len)),
                                  str(row.get("kind", "short"))))
     return specs
+
+
+def shared_prefix_workload(
+    num_requests: int,
+    request_rate: float,
+    *,
+    prefix_len: int = 512,
+    num_prefixes: int = 1,
+    question_len: tuple[int, int] = (16, 48),
+    output_len: int = 32,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    seed: int = 0,
+) -> list[RequestSpec]:
+    """Chat with a long system prompt: each request is one of `num_prefixes` shared prefixes of
+    prefix_len tokens (round robin) followed by a short question of its own; Poisson arrivals.
+    What prefix caching is for: with it, only the question is prefilled once a prefix has been seen."""
+    if num_prefixes < 1 or prefix_len < 0:
+        raise ValueError("num_prefixes must be >= 1 and prefix_len >= 0")
+    rng = random.Random(seed)
+    prefixes = [random_tokens(prefix_len, vocab_size, rng) for _ in range(num_prefixes)]
+    specs = []
+    for i, arrival in enumerate(poisson_arrivals(num_requests, request_rate, rng)):
+        prompt = prefixes[i % num_prefixes] + random_tokens(rng.randint(*question_len), vocab_size, rng)
+        specs.append(RequestSpec(i, arrival, prompt, len(prompt), output_len, "short"))
+    return specs

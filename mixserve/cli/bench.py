@@ -11,13 +11,23 @@ from pathlib import Path
 
 from mixserve.bench.report import STALL_THRESHOLD_S, format_summary
 from mixserve.bench.run import RunOptions
-from mixserve.bench.workload import DEFAULT_VOCAB_SIZE, RequestSpec, load_dataset, random_workload, workload_m
+from mixserve.bench.workload import (
+    DEFAULT_VOCAB_SIZE,
+    RequestSpec,
+    load_dataset,
+    random_workload,
+    shared_prefix_workload,
+    workload_m,
+)
 
 # What each workload uses for a flag that was not given: random's own, and PERF.md's workload M.
 RANDOM_DEFAULTS = {"num_requests": 100, "request_rate": float("inf"), "input_len": 128,
                    "input_len_range": 0.0, "output_len": 64, "long_input_len": 1500, "long_output_len": None}
 M_DEFAULTS = {"num_requests": 48, "request_rate": 2.0, "input_len": 80, "input_len_range": 0.6,
               "output_len": 64, "long_input_len": 1500, "long_output_len": 8}
+# shared-prefix: --input-len is the question after the shared prefix (--prefix-len tokens)
+SHARED_DEFAULTS = {**RANDOM_DEFAULTS, "num_requests": 32, "request_rate": 1.0, "input_len": 32,
+                   "input_len_range": 0.5, "output_len": 32}
 
 
 def _rate(text: str) -> float:
@@ -29,8 +39,12 @@ def _rate(text: str) -> float:
 
 def add_workload_flags(p: argparse.ArgumentParser, default_workload: str) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=("random", "M"), default=default_workload,
-                   help="random token prompts, or PERF.md's mixed workload M (default %(default)s)")
+    g.add_argument("--workload", choices=("random", "M", "shared-prefix"), default=default_workload,
+                   help="random token prompts, PERF.md's mixed workload M, or shared-prefix: a long shared "
+                   "system prompt before each short question (default %(default)s)")
+    g.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: its tokens (default 512)")
+    g.add_argument("--num-prefixes", type=int, default=1,
+                   help="shared-prefix: distinct prefixes, used round robin (default 1)")
     g.add_argument("--dataset", default="random", help="'random', or a JSONL file of {\"prompt\": ...} lines")
     g.add_argument("--num-requests", type=int, help="requests (workload M: short requests; default 100 / 48)")
     g.add_argument("--request-rate", type=_rate, help="Poisson arrivals per second; inf = all at once "
@@ -97,7 +111,7 @@ def register(subparsers) -> None:
 
 
 def _resolve(args: argparse.Namespace) -> dict:
-    defaults = M_DEFAULTS if args.workload == "M" else RANDOM_DEFAULTS
+    defaults = {"M": M_DEFAULTS, "shared-prefix": SHARED_DEFAULTS}.get(args.workload, RANDOM_DEFAULTS)
     return {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
 
 
@@ -118,6 +132,14 @@ def build_workload(args: argparse.Namespace) -> tuple[list[RequestSpec], dict]:
                 "short_prompt_tokens": [lo, hi], "short_output_tokens": w["output_len"],
                 "long_prompts": 4, "long_prompt_tokens": w["long_input_len"],
                 "long_output_tokens": w["long_output_len"], "long_at_span_fractions": [0.2, 0.4, 0.6, 0.8]}
+    elif args.workload == "shared-prefix":
+        lo = max(1, round(w["input_len"] * (1 - w["input_len_range"])))
+        hi = max(lo, round(w["input_len"] * (1 + w["input_len_range"])))
+        specs = shared_prefix_workload(w["num_requests"], w["request_rate"], prefix_len=args.prefix_len,
+                                       num_prefixes=args.num_prefixes, question_len=(lo, hi),
+                                       output_len=w["output_len"], vocab_size=args.vocab_size, seed=args.seed)
+        desc = {"workload": "shared-prefix", "prefix_tokens": args.prefix_len,
+                "num_prefixes": args.num_prefixes, "question_tokens": [lo, hi], **w}
     else:
         specs = random_workload(w["num_requests"], w["request_rate"], input_len=w["input_len"],
                                 input_len_range=w["input_len_range"], output_len=w["output_len"],
