@@ -28,6 +28,11 @@ def register(subparsers: Any) -> None:
     group.add_argument("--port", default=None, metavar="INT", help="[server].port (0 = any free port)")
     group.add_argument("--api-key", default=None, help="[server].api_key: clients send 'Bearer KEY'")
     group.add_argument("--max-waiting", default=None, metavar="INT", help="[server].max_waiting")
+    group.add_argument("--max-body-bytes", default=None, metavar="INT", help="[server].max_body_bytes")
+    group.add_argument("--body-timeout", default=None, metavar="SECONDS", help="[server].body_timeout_s")
+    group.add_argument("--step-timeout", default=None, metavar="SECONDS", help="[server].step_timeout_s")
+    group.add_argument("--max-engine-restarts", default=None, metavar="INT",
+                       help="[server].max_engine_restarts")
     group.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, how long in-flight requests may still run before they are aborted")
     group.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -39,8 +44,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         overrides = overrides_from_args(args)
         overrides["server"] = {
-            "host": args.host, "port": _int_flag("--port", args.port), "api_key": args.api_key,
-            "max_waiting": _int_flag("--max-waiting", args.max_waiting),
+            "host": args.host, "port": _number_flag("--port", args.port), "api_key": args.api_key,
+            "max_waiting": _number_flag("--max-waiting", args.max_waiting),
+            "max_body_bytes": _number_flag("--max-body-bytes", args.max_body_bytes),
+            "body_timeout_s": _number_flag("--body-timeout", args.body_timeout, float),
+            "step_timeout_s": _number_flag("--step-timeout", args.step_timeout, float),
+            "max_engine_restarts": _number_flag("--max-engine-restarts", args.max_engine_restarts),
         }
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:
@@ -52,39 +61,68 @@ def run(args: argparse.Namespace) -> int:
     # torch-side imports after the config is known good: a bad flag fails fast
     from mixserve.engine.async_engine import AsyncEngine
     from mixserve.engine.llm_engine import LLMEngine
+    from mixserve.engine.supervision import Failpoint
     from mixserve.metrics import ServerMetrics
     from mixserve.server import create_app
 
+    try:
+        failpoint = Failpoint.from_env()  # tests only: MIXSERVE_FAULT_STEP (engine/supervision.py)
+    except ValueError as exc:
+        print(f"mixserve serve: {exc}", file=sys.stderr)
+        return 2
     try:
         llm = LLMEngine.from_config(cfg.engine)
     except (OSError, ValueError) as exc:  # a missing or unreadable model, a bad setting for this model
         print(f"mixserve serve: cannot load the model: {exc}", file=sys.stderr)
         return 1
-    engine = AsyncEngine(llm, ServerMetrics())
+    engine = AsyncEngine(llm, ServerMetrics(), step_timeout_s=cfg.server.step_timeout_s,
+                         max_engine_restarts=cfg.server.max_engine_restarts, failpoint=failpoint)
     app = create_app(engine, cfg.server, shutdown_timeout=args.shutdown_timeout)
-    name = app.state.mixserve.model_name
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
-    _Server(config, name).run()
+                            timeout_graceful_shutdown=FLUSH_S, access_log=False)
+    server = _Server(config, app.state.mixserve.model_name, engine, args.shutdown_timeout)
+    server.run()
+    engine.llm.close()  # after the step loop stopped: writes [engine] cost_model (mixserve simulate)
+    if not engine.healthy:
+        print(f"mixserve serve: exiting, the engine is dead: {engine.error!r}", file=sys.stderr)
+        return 1
     return 0
 
 
-def _int_flag(flag: str, raw: str | None) -> int | None:
+def _number_flag(flag: str, raw: str | None, kind: type = int) -> Any:
     # parsed here rather than by argparse so a bad value is one ConfigError line, as for the engine flags
     if raw is None:
         return None
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError:
-        raise ConfigError(f"{flag}: must be an integer, got {raw!r}") from None
+        what = "an integer" if kind is int else "a number"
+        raise ConfigError(f"{flag}: must be {what}, got {raw!r}") from None
+
+
+FLUSH_S = 5.0  # after the engine has ended every response, how long uvicorn waits for them to be sent
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's Server, printing one line once it listens and exiting cleanly after SIGTERM."""
+    """uvicorn's Server: one line once it listens; on SIGTERM the engine ends every response first (each
+    stream gets its error event and [DONE], each other request a 503 in the OpenAI shape) and only then
+    are connections closed; a dead engine stops the server, and `run` returns 1."""
 
-    def __init__(self, config: Any, model_name: str) -> None:
+    def __init__(self, config: Any, model_name: str, engine: Any, grace_s: float) -> None:
         super().__init__(config)
         self.model_name = model_name
+        self.engine = engine
+        self.grace_s = grace_s
+        engine.on_dead = self._engine_died
+
+    def _engine_died(self, exc: BaseException) -> None:
+        self.should_exit = True  # read by uvicorn's main loop, from any thread
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()  # no new connections while the engine drains
+        await self.engine.stop(self.grace_s)
+        await super().shutdown(sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)

@@ -41,6 +41,10 @@ class ServerConfig:
     port: int = 8000
     api_key: str = ""
     max_waiting: int = 1024
+    max_body_bytes: int = 2 * 1024 * 1024
+    body_timeout_s: float = 30.0
+    step_timeout_s: float = 0.0
+    max_engine_restarts: int = 3
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,33 @@
 """AsyncEngine: the server's step loop. One background thread steps LLMEngine; the event loop never blocks.
 
 Adds and aborts go through a thread-safe inbox that the thread drains between steps; each request's
-updates come back on its own asyncio.Queue through `loop.call_soon_threadsafe`. Only the step thread
-touches the LLMEngine (except `validate`, which is pure).
+updates come back on its own asyncio.Queue (engine/streams.py). Only the step thread touches the
+LLMEngine (except `validate`, which is pure). A step that raises fails the requests in flight and the
+engine goes on (a restart); too many restarts, or a step that hangs past the watchdog, kill it
+(engine/supervision.py says why).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
+
+from mixserve.engine.inbox import Inbox
+from mixserve.engine.streams import (
+    EngineBusyError,
+    EngineDeadError,
+    RequestFailedError,
+    RequestStream,
+    Tracked,
+    send_batch,
+)
+from mixserve.engine.supervision import Failpoint, RestartBudget, step_timeout
+
+__all__ = ["AsyncEngine", "EngineBusyError", "EngineDeadError", "RequestFailedError", "RequestStream"]
 
 logger = logging.getLogger(__name__)
 
@@ -23,81 +36,42 @@ def thread_alive(thread: threading.Thread | None) -> bool:
     return thread is not None and thread.is_alive()
 
 
-class EngineDeadError(RuntimeError):
-    """The step loop died (or was stopped): no request can run any more."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine refused or dropped one request; the others carry on."""
-
-
-@dataclass
-class _Tracked:
-    """What the step thread knows of one live request: where its updates go and its token times."""
-
-    request_id: str
-    prompt_token_ids: Sequence[int]
-    params: Any
-    arrival: float
-    queue: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
-    first_token: float | None = None
-    last_token: float | None = None
-
-    def send(self, item: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # its event loop is closed: nobody is listening any more
-            pass
-
-
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
-
-
-def send_batch(items: list[tuple[_Tracked, Any]]) -> None:
-    """Hand a step's updates to their event loops with one wake-up per loop, not one per request: each
-    wake-up of the loop's thread takes a core from the model's threads mid-step (measured with 32 streams
-    on 2 cores: bench/serve_overhead.py)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-    for tracked, item in items:
-        by_loop.setdefault(tracked.loop, []).append((tracked.queue, item))
-    for loop, queued in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, queued)
-        except RuntimeError:  # that event loop is closed: nobody is listening any more
-            pass
-
-
 class AsyncEngine:
     """Serves an `LLMEngine` to asyncio code: `async for update in engine.generate(...)`."""
 
-    def __init__(self, llm_engine: Any, metrics: Any | None = None, idle_timeout: float = 1.0) -> None:
+    def __init__(self, llm_engine: Any, metrics: Any | None = None, idle_timeout: float = 1.0, *,
+                 step_timeout_s: float = 0.0, max_engine_restarts: int = 3,
+                 failpoint: Failpoint | None = None) -> None:
         self.llm = llm_engine
         self.metrics = metrics
+        self.step_timeout_s = step_timeout_s  # 0: max(60 s, 10x the longest step so far)
+        self.on_dead: Callable[[BaseException], None] | None = None  # called once, from any thread
+        self.num_restarts = 0
+        self._restarts = RestartBudget(max_engine_restarts)
+        self._failpoint = failpoint if failpoint is not None else Failpoint.from_env()
         self._idle_timeout = idle_timeout  # the thread re-checks its stop flag at least this often
-        self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
+        self._inbox = Inbox()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop_requested = False
         self._accepting = True
         self._error: BaseException | None = None
-        self._pending_adds = 0  # in the inbox, not yet handed to the engine
-        self._scheduler_waiting = 0  # from the last stats snapshot
         self._num_live = 0  # requests the step thread tracks (streams still open)
-        self._live: dict[str, _Tracked] = {}  # owned by the step thread
+        self._live: dict[str, Tracked] = {}  # owned by the step thread
+        self._num_steps = 0
+        self._longest_step = 0.0
+        self._step_started: float | None = None  # set while a step runs: the watchdog reads it
 
     # -- lifecycle
     @property
-    def tokenizer(self) -> Any:
-        return self.llm.tokenizer
+    def healthy(self) -> bool:
+        """False once the engine is dead (too many restarts, or a hung step)."""
+        return self._error is None
 
     @property
-    def healthy(self) -> bool:
-        """False once the step loop has died."""
-        return self._error is None
+    def error(self) -> BaseException | None:
+        return self._error
 
     @property
     def accepting(self) -> bool:
@@ -121,30 +95,38 @@ class AsyncEngine:
             self._stop_requested = False
             self._thread = threading.Thread(target=self._run, name="mixserve-step-loop", daemon=True)
             self._thread.start()
+            threading.Thread(target=self._watch, args=(self._thread,), name="mixserve-watchdog",
+                             daemon=True).start()
 
     async def stop(self, timeout: float = 30.0) -> None:
         """Stop accepting; let in-flight requests finish for up to `timeout` seconds, abort the rest."""
         self._accepting = False
         deadline = time.monotonic() + timeout
-        while self._num_live + self._pending_adds > 0 and self.running and time.monotonic() < deadline:
+        while (self._num_live + self._inbox.pending_adds > 0 and self.running and self._error is None
+               and time.monotonic() < deadline):
             await asyncio.sleep(0.05)
         self._stop_requested = True
         self._wake.set()
         thread = self._thread
-        if thread is not None:
-            await asyncio.to_thread(thread.join, max(deadline - time.monotonic(), 0.0) + 5.0)
+        if thread is not None:  # a dead engine's thread may be hung in a step: not worth waiting for
+            wait = 0.5 if self._error is not None else max(deadline - time.monotonic(), 0.0) + 5.0
+            await asyncio.to_thread(thread.join, wait)
         with self._lock:
             if self._thread is thread and not thread_alive(thread):
                 self._thread = None  # a later start() runs a fresh loop
 
     def num_waiting(self) -> int:
         """Requests not yet running: still in the inbox or waiting in the scheduler."""
-        return self._pending_adds + self._scheduler_waiting
+        return self._inbox.num_waiting
 
     # -- requests
-    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: Any,
-                       arrival: float | None = None) -> AsyncIterator[Any]:
-        """Yield the request's `RequestUpdate`s until it finishes; leaving early (cancel, close) aborts it."""
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: Any,
+               arrival: float | None = None, *, max_waiting: int | None = None) -> RequestStream:
+        """Queue a request now (no await between the check and the queueing, so admission is atomic).
+
+        EngineDeadError if the engine is dead or stopped; EngineBusyError if `max_waiting` requests are
+        waiting already. The caller must `close()` the stream (it aborts an unfinished request).
+        """
         if self._error is not None:
             raise EngineDeadError(f"the engine is not running: {self._error}")
         if not self._accepting:
@@ -152,67 +134,114 @@ class AsyncEngine:
         self._start_thread()  # in case no one called start(): an app used without its lifespan
         arrival = time.monotonic() if arrival is None else arrival
         loop = asyncio.get_running_loop()  # per request: tests may run each request on its own loop
-        tracked = _Tracked(request_id, list(prompt_token_ids), params, arrival, asyncio.Queue(), loop)
-        with self._lock:
-            self._pending_adds += 1
-            self._inbox.append(("add", tracked))
+        tracked = Tracked(request_id, list(prompt_token_ids), params, arrival, asyncio.Queue(), loop)
+        self._inbox.add(tracked, max_waiting)
         self._wake.set()
-        finished = False
+        if self.metrics is not None:  # counted as waiting from the moment it is admitted
+            self.metrics.waiting.set(self.num_waiting())
+        return RequestStream(tracked, self.abort)
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: Any,
+                       arrival: float | None = None) -> AsyncIterator[Any]:
+        """Yield the request's `RequestUpdate`s until it finishes; leaving early (cancel, close) aborts it."""
+        stream = self.submit(request_id, prompt_token_ids, params, arrival)
         try:
-            while True:
-                item = await tracked.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for update in stream:
+                yield update
         finally:
-            if not finished:
-                self.abort(request_id)
+            stream.close()
 
     def abort(self, request_id: str) -> None:
         """Drop a request between steps, freeing its KV blocks; unknown or finished ids are a no-op."""
-        with self._lock:
-            self._inbox.append(("abort", request_id))
+        self._inbox.abort(request_id)
         self._wake.set()
 
     # -- the step thread
     def _run(self) -> None:
-        try:
-            while not self._stop_requested:
-                if self._drain_inbox():
-                    self._observe_stats(stepped=False)  # adds and aborts change the gauges before any step
-                if not self.llm.has_unfinished():
-                    self._wake.wait(self._idle_timeout)
-                    self._wake.clear()
-                    continue
+        while True:
+            try:
+                self._step_until_stopped()
+                break
+            except Exception as exc:  # a failed step: fail its requests, restart if the budget allows
+                if not self._restart(exc):
+                    return
+            except BaseException as exc:
+                self._die(exc)
+                return
+        stopped = EngineDeadError("the server is shutting down")
+        self._fail(self._inbox.take_adds() + list(self._live.values()), stopped)
+        self._abort_live()
+
+    def _step_until_stopped(self) -> None:
+        while not self._stop_requested and self._error is None:
+            if self._drain_inbox():
+                self._observe_stats(stepped=False)  # adds and aborts change the gauges before any step
+            if not self.llm.has_unfinished():
+                self._wake.wait(self._idle_timeout)
+                self._wake.clear()
+                continue
+            self._step_started = started = time.monotonic()
+            try:
+                self._failpoint.check(self._num_steps + 1)
                 updates = self.llm.step()
-                self._dispatch(updates)
-                self._observe_stats(stepped=True)
-            self._abort_all(EngineDeadError("the server is shutting down"))
-        except BaseException as exc:  # the loop is dead: every waiting stream must hear about it
-            logger.exception("the engine step loop died")
+            finally:
+                self._step_started = None
+            self._num_steps += 1
+            self._longest_step = max(self._longest_step, time.monotonic() - started)
+            self._dispatch(updates)
+            self._observe_stats(stepped=True)
+
+    def _restart(self, exc: Exception) -> bool:
+        """Fail the requests in flight, drop them from the engine; False (and dead) if that cannot be."""
+        logger.error("engine step %d failed: %r", self._num_steps + 1, exc, exc_info=exc)
+        self._fail(list(self._live.values()), EngineDeadError(f"the engine step failed ({exc!r}); "
+                                                              "the engine was restarted, retry the request"))
+        self._abort_live()
+        if self._error is not None:
+            return False  # the watchdog declared it dead meanwhile
+        if self.llm.has_unfinished() or not self._restarts.allow():
+            self._die(exc)
+            return False
+        self.num_restarts += 1
+        if self.metrics is not None:
+            self.metrics.engine_restarts.inc()
+        logger.warning("engine restarted (%d so far); requests queued since go on", self.num_restarts)
+        self._observe_stats(stepped=False)
+        return True
+
+    def _die(self, exc: BaseException) -> None:
+        """The engine cannot serve again: every request hears it, then `on_dead` (the server exits)."""
+        with self._lock:
+            if self._error is not None:
+                return
             self._error = exc
-            self._abort_all(EngineDeadError(f"the engine step loop died: {exc!r}"))
+        logger.error("the engine is dead: %r", exc)
+        self._fail(self._inbox.take_adds() + list(self._live.values()),
+                   EngineDeadError(f"the engine step loop died: {exc!r}"))
+        if self.on_dead is not None:
+            self.on_dead(exc)
+
+    def _watch(self, thread: threading.Thread) -> None:
+        """Declare the engine dead when a step (not the first: it may compile or warm up) hangs."""
+        while thread.is_alive() and not self._stop_requested and self._error is None:
+            limit = step_timeout(self._longest_step, self.step_timeout_s)
+            time.sleep(min(1.0, limit / 10))
+            started = self._step_started
+            if started is not None and self._num_steps > 0 and time.monotonic() - started > limit:
+                self._die(TimeoutError(f"step {self._num_steps + 1} ran past the watchdog's {limit:.1f} s"))
 
     def _drain_inbox(self) -> bool:
         changed = False
-        while True:
-            with self._lock:
-                if not self._inbox:
-                    return changed
-                kind, item = self._inbox.popleft()
-                if kind == "add":
-                    self._pending_adds -= 1
+        while (entry := self._inbox.pop()) is not None:
+            kind, item = entry
             changed = True
             if kind == "add":
                 self._add(item)
             else:
                 self._abort(item)
+        return changed
 
-    def _add(self, tracked: _Tracked) -> None:
+    def _add(self, tracked: Tracked) -> None:
         try:
             self.llm.add_request(tracked.request_id, list(tracked.prompt_token_ids), tracked.params,
                                  arrival=tracked.arrival)
@@ -230,50 +259,38 @@ class AsyncEngine:
 
     def _dispatch(self, updates: Sequence[Any]) -> None:
         now = time.monotonic()
-        m = self.metrics
-        outgoing: list[tuple[_Tracked, Any]] = []
+        outgoing: list[tuple[Tracked, Any]] = []
         for update in updates:
             tracked = self._live.get(update.request_id)
             if tracked is None:
                 continue  # aborted while this step ran
-            n = len(update.new_token_ids)
-            if n and m is not None:
-                if tracked.first_token is None:
-                    m.observe_first_token(now - tracked.arrival, len(tracked.prompt_token_ids))
-                else:
-                    m.observe_token_gap(now - (tracked.last_token or now))
-                for _ in range(n - 1):  # several tokens in one update arrived together
-                    m.observe_token_gap(0.0)
-                m.observe_generated(n)
-            if n:
-                tracked.first_token = tracked.first_token or now
-                tracked.last_token = now
+            tracked.record_tokens(len(update.new_token_ids), now, self.metrics)
             if update.finished:
                 del self._live[update.request_id]
                 self._num_live = len(self._live)
-                if m is not None:
-                    m.observe_finished(now - tracked.arrival)
+                if self.metrics is not None:
+                    self.metrics.observe_finished(now - tracked.arrival)
             outgoing.append((tracked, update))
         send_batch(outgoing)
 
     def _observe_stats(self, *, stepped: bool) -> None:
         stats = self.llm.stats()
         stats = getattr(stats, "scheduler", stats)  # EngineStats may wrap the SchedulerStats
-        self._scheduler_waiting = stats.num_requests_waiting
+        pending = self._inbox.set_scheduler_waiting(stats.num_requests_waiting)
         if self.metrics is not None:
-            self.metrics.observe_stats(stats, stepped=stepped, extra_waiting=self._pending_adds)
+            self.metrics.observe_stats(stats, stepped=stepped, extra_waiting=pending)
 
-    def _abort_all(self, error: BaseException) -> None:
-        with self._lock:
-            pending = [item for kind, item in self._inbox if kind == "add"]
-            self._inbox.clear()
-            self._pending_adds = 0
-        for tracked in [*pending, *self._live.values()]:
-            tracked.send(error)
+    @staticmethod
+    def _fail(tracked: list[Tracked], error: BaseException) -> None:
+        for t in tracked:
+            t.send(error)
+
+    def _abort_live(self) -> None:
+        """Drop every live request from the engine (its stream has been told already)."""
         for request_id in list(self._live):
             try:
                 self.llm.abort(request_id)
-            except Exception:  # the engine may be broken; the streams are told already
-                pass
+            except Exception:  # the engine may be broken; has_unfinished() tells the caller
+                logger.exception("aborting %s after a failed step", request_id)
         self._live.clear()
         self._num_live = 0

@@ -157,7 +157,9 @@ class LLMEngine:
             raise RequestError(
                 f"{param}: prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                 f"max_model_len ({self.max_model_len})", param)
-        if total > self.num_blocks * self.runner.block_size:
+        kv_slots = self.num_blocks * self.runner.block_size
+        if total > kv_slots:
+            param = "prompt" if n >= kv_slots else "max_tokens"  # the prompt alone cannot fit: name it
             raise RequestError(
                 f"{param}: prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the KV "
                 f"cache ({self.num_blocks} blocks x {self.runner.block_size} tokens)", param)

@@ -20,6 +20,7 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)
+COST_RATIO_BUCKETS = (0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -53,7 +54,21 @@ class ServerMetrics:
         self._prefix_seen = (0, 0)
         self.step_tokens = Histogram("mixserve:step_tokens", "Tokens (decodes + prefill chunks) per step.",
                                      buckets=STEP_TOKEN_BUCKETS, registry=r)
+        self.engine_restarts = Counter("mixserve:engine_restarts", "Failed steps that restarted the engine.",
+                                       registry=r)
         self._preemptions_seen = 0
+        # the step cost model, while a TPOT target is on (README: A latency target instead of a token budget)
+        self.step_predicted = Gauge("mixserve:step_cost_predicted_seconds",
+                                    "The last step's duration as the cost model predicted it.", registry=r)
+        self.step_actual = Gauge("mixserve:step_cost_actual_seconds", "The last step's measured duration.",
+                                 registry=r)
+        self.step_cost_ratio = Histogram("mixserve:step_cost_actual_over_predicted",
+                                         "Each step's measured over predicted duration.",
+                                         buckets=COST_RATIO_BUCKETS, registry=r)
+        self.cost_coefficient = Gauge("mixserve:step_cost_coefficient",
+                                      "The cost model's fitted coefficients: step s = overhead_s + "
+                                      "per_token_s * tokens + per_pair_s * pairs.",
+                                      ["term"], registry=r)
 
     # -- scheduler side: called by the step loop after each step (or after draining adds/aborts)
     def observe_stats(self, stats: Any, *, stepped: bool, extra_waiting: int = 0) -> None:
@@ -70,6 +85,21 @@ class ServerMetrics:
                                    getattr(stats, "prefix_cache_hits", 0))
         if stepped and stats.step_tokens > 0:
             self.step_tokens.observe(stats.step_tokens)
+        if stepped:
+            self._observe_step_cost(stats)
+
+    def _observe_step_cost(self, stats: Any) -> None:
+        coefficients = getattr(stats, "cost_coefficients", None)
+        if coefficients is None:
+            return  # no TPOT target
+        for term, value in zip(("overhead_s", "per_token_s", "per_pair_s"), coefficients, strict=True):
+            self.cost_coefficient.labels(term).set(value)
+        predicted, actual = stats.step_predicted_s, stats.step_actual_s
+        if predicted is not None and actual is not None:
+            self.step_predicted.set(predicted)
+            self.step_actual.set(actual)
+            if predicted > 0:
+                self.step_cost_ratio.observe(actual / predicted)
 
     def _observe_prefix_cache(self, queries: int, hits: int) -> None:
         # totals since the scheduler was built; a smaller total means a new scheduler (a restarted

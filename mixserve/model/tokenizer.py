@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,30 @@ class Tokenizer:
         if isinstance(out, Mapping):  # transformers 5 returns a BatchEncoding
             out = out["input_ids"]
         return list(out)
+
+    def encode_releasing_gil(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode`, through the Rust tokenizer's `encode_batch`, which releases the GIL while it works:
+        the server runs it on a worker thread and its event loop keeps answering (plain `encode` holds
+        the GIL for the whole text)."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:
+            return self.encode(text, add_special_tokens)
+        return list(backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat as text through the model's template; `encode_releasing_gil(text, False)` of it gives
+        `apply_chat_template`'s ids (transformers tokenizes the rendered text without special tokens)."""
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                           tokenize=False)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes any one token's text takes: a text of B bytes is at least
+        B / max_token_bytes tokens, a bound that refuses a huge prompt without tokenizing it."""
+        vocab = self.hf.get_vocab() if hasattr(self.hf, "get_vocab") else {}
+        return max((len(piece.encode("utf-8", "surrogatepass")) for piece in vocab), default=1) or 1
 
     @property
     def vocab_size(self) -> int:

@@ -3,26 +3,29 @@
 from __future__ import annotations
 
 import contextlib
-import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.security import HTTPBearer
 
-from mixserve.engine.async_engine import AsyncEngine
+from mixserve.config import ServerConfig
+from mixserve.engine.async_engine import AsyncEngine, EngineBusyError, EngineDeadError
 from mixserve.metrics import ServerMetrics
 from mixserve.server.errors import APIError, error_response, install_error_handlers
-from mixserve.server.generation import collect, stream_events
+from mixserve.server.generation import EngineStreamResponse, collect, stream_events
+from mixserve.server.guard import GuardConfig, RequestGuard, is_loopback_host
 from mixserve.server.openai_format import Formatter
 from mixserve.server.preprocess import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     chat_prompt,
     completion_prompt,
     context_limit,
+    refuse_unsupported,
     sampling_params,
     validate,
 )
@@ -31,23 +34,27 @@ from mixserve.server.protocol import ChatCompletionRequest, CompletionRequest, E
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text}
     for status, text in ((400, "Invalid request"), (401, "Missing or wrong API key"), (404, "Unknown model"),
+                         (403, "Host not allowed"), (408, "Body not sent in time"), (413, "Body too large"),
                          (429, "Too many requests waiting"), (503, "The engine is not running"))
 }
+# a generation answers JSON, or server-sent events when the request says "stream": true
+GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {**ERROR_RESPONSES, 200: {
+    "description": "The answer; with stream = true, server-sent events ending `data: [DONE]`",
+    "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}}}}
+RETRY_AFTER_S = 1  # the 429's Retry-After: a step or two frees a place in the queue
 
-# documents the scheme in /openapi.json; the key itself is checked by require_key (absent: no error here)
+# documents the scheme in /openapi.json; the key itself is checked by RequestGuard, before the body is read
 _BEARER = Depends(HTTPBearer(auto_error=False))
 
 
+@dataclass
 class ServerState:
     """What the routes share: the engine, its metrics, the served model's name and the [server] limits."""
 
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api_key: str,
-                 max_waiting: int) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self.model_name = model_name
-        self.api_key = api_key
-        self.max_waiting = max_waiting
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    model_name: str
+    max_waiting: int
 
     @property
     def llm(self) -> Any:
@@ -58,25 +65,33 @@ class ServerState:
             message = f"The model {model!r} does not exist; this server serves {self.model_name!r}."
             raise APIError(404, message, param="model", code="model_not_found")
 
-    def admit(self) -> None:
-        """Refuse before queueing: a dead engine (503) or too many requests waiting already (429)."""
-        if not self.engine.healthy or not self.engine.accepting:
-            raise APIError(503, "The engine is not running.")
-        if self.engine.num_waiting() >= self.max_waiting:
-            raise APIError(429, f"More than {self.max_waiting} requests are waiting; retry later.")
+    def submit(self, request_id: str, ids: list[int], params: Any, arrival: float) -> Any:
+        """Queue the request, or refuse it: a dead or stopping engine (503), a full queue (429)."""
+        try:
+            return self.engine.submit(request_id, ids, params, arrival, max_waiting=self.max_waiting)
+        except EngineBusyError as exc:
+            raise APIError(429, f"Too many requests are waiting ({exc}); retry later.",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineDeadError as exc:
+            raise APIError(503, f"The engine is not running: {exc}") from None
 
 
 def create_app(engine: Any, server_cfg: Any = None, model_name: str | None = None, *,
                shutdown_timeout: float = 30.0) -> FastAPI:
-    """The app over `engine` (an AsyncEngine, or an LLMEngine it wraps); `server_cfg` is a ServerConfig."""
+    """The app over `engine` (an AsyncEngine, or an LLMEngine it wraps); `server_cfg` is a ServerConfig.
+
+    Bound to a loopback host (the default 127.0.0.1), the app answers only Host names of loopback: a web
+    page cannot reach it through DNS rebinding (vLLM and TGI do not check this).
+    """
+    cfg = server_cfg if server_cfg is not None else ServerConfig()
     if not isinstance(engine, AsyncEngine):
-        engine = AsyncEngine(engine, ServerMetrics())
+        engine = AsyncEngine(engine, ServerMetrics(), step_timeout_s=cfg.step_timeout_s,
+                             max_engine_restarts=cfg.max_engine_restarts)
     if engine.metrics is None:
         engine.metrics = ServerMetrics()
     if model_name is None:
         model_name = getattr(getattr(engine.llm, "runner", None), "model_name", None) or "mixserve"
-    state = ServerState(engine, engine.metrics, model_name, getattr(server_cfg, "api_key", "") or "",
-                        getattr(server_cfg, "max_waiting", 1024))
+    state = ServerState(engine, engine.metrics, model_name, cfg.max_waiting)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -88,28 +103,25 @@ def create_app(engine: Any, server_cfg: Any = None, model_name: str | None = Non
                   description="An OpenAI-compatible server over a chunked-prefill engine.")
     app.state.mixserve = state
     install_error_handlers(app)
-
-    async def require_key(credentials: HTTPAuthorizationCredentials | None = _BEARER) -> None:
-        if not state.api_key:
-            return
-        given = credentials.credentials if credentials is not None else ""
-        # constant time, so the key cannot be guessed a byte at a time from response times
-        if not hmac.compare_digest(given.encode(), state.api_key.encode()):
-            raise APIError(401, "Missing or wrong API key (send 'Authorization: Bearer KEY').",
-                           code="invalid_api_key")
-
-    guarded = [Depends(require_key)]
+    app.add_middleware(RequestGuard, config=GuardConfig(
+        max_body_bytes=cfg.max_body_bytes, api_key=cfg.api_key, loopback_only=is_loopback_host(cfg.host),
+        body_timeout_s=cfg.body_timeout_s))
+    guarded = [_BEARER] if cfg.api_key else []  # the schema documents the key only where one is asked
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
-        """200 when ready; 503 once the step loop has died, or while the server shuts down."""
+        """200 when ready; 503 once the engine has died, or while the server shuts down. HEAD works too."""
         if not engine.healthy:
-            return error_response(503, "The engine step loop died.")
+            return error_response(503, f"The engine is dead: {engine.error!r}")
         if not engine.accepting:
             return error_response(503, "The server is shutting down.")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format"}})
     async def metrics() -> Response:
         """Prometheus text format."""
         body, content_type = state.metrics.render()
@@ -122,13 +134,14 @@ def create_app(engine: Any, server_cfg: Any = None, model_name: str | None = Non
             "max_model_len": context_limit(state.llm),
         }]}
 
-    @app.post("/v1/completions", dependencies=guarded, responses=ERROR_RESPONSES)
+    @app.post("/v1/completions", dependencies=guarded, responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         state.check_model(body.model)
+        refuse_unsupported(body)
         if body.echo:
             raise APIError(400, "echo is not supported.", param="echo")
-        ids = completion_prompt(state.llm, body)
+        ids = await completion_prompt(state.llm, body)
         params = sampling_params(state.llm, body, len(ids), max_tokens=body.max_tokens,
                                  default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
                                  num_logprobs=body.logprobs)
@@ -136,11 +149,12 @@ def create_app(engine: Any, server_cfg: Any = None, model_name: str | None = Non
         return await _generate(state, request, body, ids, params, chat=False,
                                want_logprobs=body.logprobs is not None, arrival=arrival)
 
-    @app.post("/v1/chat/completions", dependencies=guarded, responses=ERROR_RESPONSES)
+    @app.post("/v1/chat/completions", dependencies=guarded, responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         state.check_model(body.model)
-        ids = chat_prompt(state.llm, body)
+        refuse_unsupported(body)
+        ids = await chat_prompt(state.llm, body)
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = sampling_params(state.llm, body, len(ids), max_tokens=max_tokens, default_max_tokens=None,
@@ -154,14 +168,12 @@ def create_app(engine: Any, server_cfg: Any = None, model_name: str | None = Non
 
 async def _generate(state: ServerState, request: Request, body: Any, ids: list[int], params: Any, *,
                     chat: bool, want_logprobs: bool, arrival: float) -> Response:
-    state.admit()
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     fmt = Formatter(request_id, state.model_name, chat, state.llm.tokenizer)
+    stream = state.submit(request_id, ids, params, arrival)  # from here on, whoever ends must close it
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = stream_events(state.engine, fmt, ids, params, arrival=arrival, include_usage=include_usage,
+        events = stream_events(stream, fmt, len(ids), include_usage=include_usage,
                                want_logprobs=want_logprobs)
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await collect(state.engine, request, fmt, ids, params, arrival=arrival,
-                         want_logprobs=want_logprobs)
+        return EngineStreamResponse(stream, events)
+    return await collect(stream, request, fmt, len(ids), want_logprobs=want_logprobs)

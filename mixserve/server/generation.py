@@ -6,14 +6,13 @@ Either way a client that goes away aborts its request at once (its KV blocks are
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from mixserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from mixserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from mixserve.server.errors import error_body, error_response
 from mixserve.server.openai_format import DONE, Formatter, TokenLogprob, Usage, sse, token_logprobs
 
@@ -24,24 +23,40 @@ def _failure(exc: Exception) -> tuple[int, str]:
     return 503, str(exc)
 
 
-async def stream_events(engine: AsyncEngine, fmt: Formatter, ids: list[int], params: Any, *, arrival: float,
+class EngineStreamResponse(StreamingResponse):
+    """Server-sent events of one submitted request; however the response ends (finished, client gone,
+    cancelled before its first byte), the request is closed, so an unfinished one is aborted."""
+
+    def __init__(self, stream: RequestStream, events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.stream.close()
+
+
+async def stream_events(stream: RequestStream, fmt: Formatter, num_prompt_tokens: int, *,
                         include_usage: bool, want_logprobs: bool) -> AsyncIterator[str]:
-    """SSE lines `data: {...}` ending `data: [DONE]`; an error mid-stream is an error event, then [DONE]."""
-    usage = Usage(len(ids))
+    """SSE lines `data: {...}` ending `data: [DONE]`; an error mid-stream is an error event, then [DONE].
+
+    When the client disconnects this generator is cancelled; EngineStreamResponse closes the stream.
+    """
+    usage = Usage(num_prompt_tokens)
     if fmt.chat:
         yield sse(fmt.role_chunk())
     try:
-        # aclosing: when the client disconnects this generator is cancelled, and closing the engine's
-        # generator right away aborts the request
-        async with contextlib.aclosing(engine.generate(fmt.id, ids, params, arrival)) as updates:
-            async for update in updates:
-                usage.completion_tokens += len(update.new_token_ids)
-                lp = token_logprobs(update) if want_logprobs else None
-                finish = update.finish_reason if update.finished else None
-                # one chunk per step that made a token, even if its text is held back (an unfinished UTF-8
-                # character, a possible stop string): clients time tokens by chunks
-                if update.new_token_ids or update.new_text or finish is not None:
-                    yield sse(fmt.delta_chunk(update.new_text, finish, lp))
+        async for update in stream:
+            usage.completion_tokens += len(update.new_token_ids)
+            lp = token_logprobs(update) if want_logprobs else None
+            finish = update.finish_reason if update.finished else None
+            # one chunk per step that made a token, even if its text is held back (an unfinished UTF-8
+            # character, a possible stop string): clients time tokens by chunks
+            if update.new_token_ids or update.new_text or finish is not None:
+                yield sse(fmt.delta_chunk(update.new_text, finish, lp))
     except (EngineDeadError, RequestFailedError) as exc:
         status, message = _failure(exc)
         yield sse(error_body(status, message))
@@ -58,37 +73,35 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def _collect(engine: AsyncEngine, fmt: Formatter, ids: list[int], params: Any, *, arrival: float,
+async def _collect(stream: RequestStream, fmt: Formatter, num_prompt_tokens: int, *,
                    want_logprobs: bool) -> dict[str, Any]:
-    usage = Usage(len(ids))
+    usage = Usage(num_prompt_tokens)
     texts: list[str] = []
     logprobs: list[TokenLogprob] = []
     finish = None
-    async with contextlib.aclosing(engine.generate(fmt.id, ids, params, arrival)) as updates:
-        async for update in updates:
-            usage.completion_tokens += len(update.new_token_ids)
-            texts.append(update.new_text)
-            if want_logprobs:
-                logprobs.extend(token_logprobs(update))
-            if update.finished:
-                finish = update.finish_reason
+    async for update in stream:
+        usage.completion_tokens += len(update.new_token_ids)
+        texts.append(update.new_text)
+        if want_logprobs:
+            logprobs.extend(token_logprobs(update))
+        if update.finished:
+            finish = update.finish_reason
     return fmt.response("".join(texts), finish, usage, logprobs if want_logprobs else None)
 
 
-async def collect(engine: AsyncEngine, request: Request, fmt: Formatter, ids: list[int], params: Any, *,
-                  arrival: float, want_logprobs: bool) -> Response:
+async def collect(stream: RequestStream, request: Request, fmt: Formatter, num_prompt_tokens: int, *,
+                  want_logprobs: bool) -> Response:
     """The whole answer as one JSON body, aborting the request if the client disconnects first."""
-    work = asyncio.create_task(_collect(engine, fmt, ids, params, arrival=arrival,
-                                        want_logprobs=want_logprobs))
+    work = asyncio.create_task(_collect(stream, fmt, num_prompt_tokens, want_logprobs=want_logprobs))
     watch = asyncio.create_task(_wait_for_disconnect(request))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        # cancelling `work` closes the engine's generator, which aborts the request
         for task in (work, watch):
             if not task.done():
                 task.cancel()
         await asyncio.gather(work, watch, return_exceptions=True)
+        stream.close()  # aborts the request unless it finished
     if work.cancelled():
         return Response(status_code=499)  # nobody is listening; the status is for the access log
     exc = work.exception()

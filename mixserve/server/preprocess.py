@@ -1,11 +1,19 @@
-"""Request body -> (prompt token ids, SamplingParams): every check that turns bad input into a 400."""
+"""Request body -> (prompt token ids, SamplingParams): every check that turns bad input into a 400.
+
+Tokenizing is model-sized work: it runs on a worker thread through the tokenizer's GIL-releasing call,
+after a length bound that refuses a prompt far over the context without tokenizing it at all.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 from mixserve.server.errors import APIError
 from mixserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+logger = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
 
@@ -17,32 +25,79 @@ def context_limit(llm: Any) -> int:
     return min(context, runner.num_blocks * runner.block_size)
 
 
-def completion_prompt(llm: Any, req: CompletionRequest) -> list[int]:
+def _check_length_bound(llm: Any, texts: list[str], param: str) -> None:
+    """A 400 for text that must be over the context whatever it tokenizes to (each token is at most
+    `max_token_bytes` bytes of it), before any tokenizing."""
+    num_bytes = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    limit = context_limit(llm)
+    at_least = -(-num_bytes // llm.tokenizer.max_token_bytes)
+    if at_least > limit:
+        raise APIError(400, f"{param}: {num_bytes} bytes of text are at least {at_least} tokens, over the "
+                            f"{limit}-token context of this server", param=param)
+
+
+async def _encode(llm: Any, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    try:
+        return list(await asyncio.to_thread(llm.tokenizer.encode_releasing_gil, text, add_special_tokens))
+    except (TypeError, ValueError) as exc:  # e.g. a lone UTF-16 surrogate, which no tokenizer takes
+        raise APIError(400, f"The {param} cannot be tokenized: {exc}", param=param) from exc
+
+
+async def completion_prompt(llm: Any, req: CompletionRequest) -> list[int]:
     """Text is tokenized (with the BOS the tokenizer adds); token ids pass as they are (validate checks)."""
     prompt: Any = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise APIError(400, "Only one prompt per request is supported.", param="prompt")
         prompt = prompt[0]
-    try:
-        ids = list(llm.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
-    except (TypeError, ValueError) as exc:  # e.g. a lone UTF-16 surrogate, which no tokenizer takes
-        raise APIError(400, f"The prompt cannot be tokenized: {exc}", param="prompt") from exc
+    if isinstance(prompt, str):
+        _check_length_bound(llm, [prompt], "prompt")
+        ids = await _encode(llm, prompt, True, "prompt")
+    else:
+        ids = list(prompt)
     if not ids:
         raise APIError(400, "The prompt is empty.", param="prompt")
     return ids
 
 
-def chat_prompt(llm: Any, req: ChatCompletionRequest) -> list[int]:
+async def chat_prompt(llm: Any, req: ChatCompletionRequest) -> list[int]:
     """The messages through the model's chat template, with the assistant's turn opened."""
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    _check_length_bound(llm, [m["content"] for m in messages], "messages")
     try:
-        ids = list(llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        text = await asyncio.to_thread(llm.tokenizer.render_chat, messages, True)
     except Exception as exc:  # a template may reject a conversation (roles out of order, ...)
         raise APIError(400, f"The chat template refused these messages: {exc}", param="messages") from exc
+    ids = await _encode(llm, text, False, "messages")
     if not ids:
         raise APIError(400, "The messages render to an empty prompt.", param="messages")
     return ids
+
+
+# (field, the value that means "off"): known OpenAI fields this server does not implement
+_UNSUPPORTED = (("best_of", 1), ("logit_bias", {}), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                ("repetition_penalty", 1.0), ("suffix", ""), ("tools", []))
+
+
+def refuse_unsupported(req: SamplingFields) -> None:
+    """A 400 naming the first OpenAI parameter we know and do not implement; a log line for the fields
+    nobody knows (ignored, as vLLM does)."""
+    for name, off in _UNSUPPORTED:
+        value = getattr(req, name, None)
+        if value is not None and value != off:
+            raise APIError(400, f"{name} is not supported by this server (only {off!r}).", param=name)
+    fmt = req.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise APIError(400, f"response_format {fmt.get('type')!r} is not supported (only 'text').",
+                       param="response_format")
+    choice = getattr(req, "tool_choice", None)
+    if choice is not None and choice != "none":
+        raise APIError(400, "tool_choice is not supported (only 'none').", param="tool_choice")
+    ignored = sorted(req.model_extra or {})
+    if req.stream_options is not None:
+        ignored += [f"stream_options.{k}" for k in sorted(req.stream_options.model_extra or {})]
+    if ignored:
+        logger.warning("ignored fields this server does not know: %s", ", ".join(ignored))
 
 
 def sampling_params(llm: Any, req: SamplingFields, prompt_len: int, *, max_tokens: int | None,

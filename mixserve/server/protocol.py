@@ -2,47 +2,69 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict
 
+# Strict: a JSON true is not the integer 1 (the schema says integer, so the server must mean it);
+# a strict float still takes a JSON integer.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
 # Seeds are handed to torch.Generator.manual_seed, which takes 64-bit values.
-Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
-TokenId = Annotated[int, Field(ge=0)]
+Seed = Annotated[int, Strict(), Field(ge=-(2**63), le=2**64 - 1)]
+TokenId = Annotated[int, Strict(), Field(ge=0)]
+# OpenAI's and TGI's limits: a long stop list is checked against every new token of the batch
+MAX_STOPS = 4
+MAX_STOP_CHARS = 1000
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class StreamOptions(BaseModel):
-    """`stream_options`: `include_usage` adds a last chunk with empty choices and the usage."""
+    """`stream_options`: `include_usage` adds a last chunk with empty choices and the usage; other keys
+    (vLLM's `continuous_usage_stats`, ...) are ignored with a log line."""
 
-    include_usage: bool = False
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: Annotated[bool, Strict()] = False
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions (unknown fields are ignored)."""
+    """Fields shared by /v1/completions and /v1/chat/completions. Fields nobody knows are ignored with
+    a log line (as vLLM does); known OpenAI fields this server does not implement are a 400 naming them
+    (preprocess.refuse_unsupported), never silently ignored."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = Field(None, description="The served model's id (GET /v1/models); omitted = it.")
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, description="0 or -1: off.")
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Float | None = Field(None, ge=0.0, le=2.0)
+    top_p: Float | None = Field(None, gt=0.0, le=1.0)
+    top_k: Int | None = Field(None, ge=-1, description="0 or -1: off.")
+    min_p: Float | None = Field(None, ge=0.0, le=1.0)
     seed: Seed | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = Field(
+        None, description=f"Up to {MAX_STOPS} strings of up to {MAX_STOP_CHARS} characters.")
+    stream: Annotated[bool, Strict()] = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    n: int = Field(1, ge=1, description="Only 1 is supported.")
+    ignore_eos: Annotated[bool, Strict()] = False
+    n: Int = Field(1, ge=1, description="Only 1 is supported.")
     user: str | None = None
+    # OpenAI fields not implemented: accepted by the schema so that the answer is a 400 naming them
+    best_of: Int | None = Field(None, ge=1, description="Only 1 is supported.")
+    logit_bias: dict[str, Float] | None = Field(None, description="Not supported (400 unless empty).")
+    presence_penalty: Float | None = Field(None, description="Not supported (400 unless 0).")
+    frequency_penalty: Float | None = Field(None, description="Not supported (400 unless 0).")
+    repetition_penalty: Float | None = Field(None, description="Not supported (400 unless 1).")
+    response_format: dict[str, Any] | None = Field(None, description="Only {\"type\": \"text\"}.")
 
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions: `prompt` as text or token ids (a list of one of either also works)."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    logprobs: int | None = Field(None, ge=0, le=20, description="Top log-probabilities per token.")
-    echo: bool = False
+    logprobs: Int | None = Field(None, ge=0, le=20, description="Top log-probabilities per token.")
+    echo: Annotated[bool, Strict()] = False
+    suffix: str | None = Field(None, description="Not supported (400 unless empty).")
 
 
 class ChatContentPart(BaseModel):
@@ -71,9 +93,11 @@ class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    logprobs: Annotated[bool, Strict()] = False
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported (400 unless empty).")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="Only \"none\".")
 
 
 class ErrorDetail(BaseModel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import signal
@@ -49,12 +50,13 @@ class LiveServer:
             raise
 
 
-def start_server(model_dir: Path, log: Path, *extra: str) -> LiveServer:
-    """Start the server on a free port and return once /health answers 200."""
+def start_server(model_dir: Path, log: Path, *extra: str, env: dict[str, str] | None = None) -> LiveServer:
+    """Start the server on a free port and return once /health answers 200; `env` adds variables."""
     cmd = [sys.executable, "-m", "mixserve", "serve", "--model", str(model_dir), "--port", "0",
            "--threads", "1", "--num-blocks", "512", *extra]
     with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env={**os.environ, **(env or {})})
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     deadline = time.monotonic() + START_DEADLINE_S

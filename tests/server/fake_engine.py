@@ -35,7 +35,13 @@ class FakeTokenizer:
         return "".join(chr(ord("a") + t % 26) for t in ids if t != EOS)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode("".join(m["role"][0] + m["content"] for m in messages))
+        return self.encode(self.render_chat(messages, add_generation_prompt))
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return "".join(m["role"][0] + m["content"] for m in messages)
+
+    encode_releasing_gil = encode
+    max_token_bytes = 1
 
     eos_token_ids = frozenset({EOS})
 

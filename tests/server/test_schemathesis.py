@@ -1,37 +1,41 @@
-"""schemathesis over /openapi.json, in process against the app on a tiny random model: never a 5xx."""
+"""schemathesis over /openapi.json against a live `mixserve serve` on a tiny random model: never a 5xx."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import pytest
 import schemathesis
-import torch
 from hypothesis import HealthCheck, given, settings
-from schemathesis.checks import not_a_server_error
+from schemathesis.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 from schemathesis.generation.modes import GenerationMode
 
-from mixserve.config import EngineConfig, ServerConfig
-from mixserve.engine.llm_engine import LLMEngine
-from mixserve.runner.model_runner import ModelRunner
-from mixserve.server import create_app
+from tests.server.conftest import start_server
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+# never a 5xx, and the schema says what the server does: its statuses, content types and bodies, and every
+# request the schema forbids refused with a 4xx
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
+          negative_data_rejection]
 
 
 @pytest.fixture(scope="module")
-def app_schema(tiny_model_dir) -> Iterator[schemathesis.schemas.BaseSchema]:
-    threads = torch.get_num_threads()  # the engine sets torch's thread count; give it back afterwards
-    runner = ModelRunner.from_pretrained(str(tiny_model_dir), num_blocks=32)
+def app_schema(tiny_model_dir, tmp_path_factory) -> Iterator[schemathesis.schemas.BaseSchema]:
     # a short context keeps every generated request small (max_tokens can only be what fits)
-    llm = LLMEngine(runner, EngineConfig(threads=1, max_model_len=32))
-    app = create_app(llm, ServerConfig(max_waiting=64))
+    log = tmp_path_factory.mktemp("schemathesis") / "stderr.log"
+    server = start_server(tiny_model_dir, log, "--num-blocks", "32", "--max-model-len", "32",
+                          "--max-waiting", "64")
     try:
-        yield schemathesis.openapi.from_asgi("/openapi.json", app)
+        yield schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     finally:
-        asyncio.run(app.state.mixserve.engine.stop(5.0))
-        torch.set_num_threads(threads)
+        server.stop()
 
 
 # schemathesis.pytest.from_fixture trips over pytest 9's internals, so the operations are driven here
@@ -46,6 +50,6 @@ def test_no_request_makes_a_server_error(app_schema, mode):
         @given(case=operation.as_strategy(generation_mode=mode))
         @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         def check(case) -> None:
-            case.call_and_validate(checks=[not_a_server_error])
+            case.call_and_validate(checks=CHECKS)
 
         check()

@@ -1,0 +1,80 @@
+"""What keeps the step loop honest: a failpoint for tests, a restart budget, and the hung-step rule.
+
+Decision (issue 13): a step that *raises* fails the requests in flight and the engine is restarted in
+the same process (every request is dropped from the scheduler, so every KV block is free again), up to
+`max_engine_restarts` times in `RESTART_WINDOW_S`; past that, or when a step *hangs* past the watchdog
+(a thread stuck in a kernel cannot be taken back), the engine is dead and `mixserve serve` exits non-zero
+so that a supervisor (systemd, Docker, Kubernetes) starts a fresh process, as vLLM's server does.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+FAULT_ENV = "MIXSERVE_FAULT_STEP"
+RESTART_WINDOW_S = 60.0
+MIN_STEP_TIMEOUT_S = 60.0
+STEP_TIMEOUT_FACTOR = 10.0
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the failpoint: the step a test asked to fail."""
+
+
+@dataclass
+class Failpoint:
+    """`MIXSERVE_FAULT_STEP=N` makes step N (counted from 1 by the server's step loop) raise once;
+    `N:hang` makes it block instead, as a kernel that never returns would. Unset: nothing happens."""
+
+    step: int = 0
+    hang: bool = False
+    fired: bool = False
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> Failpoint:
+        raw = (environ if environ is not None else os.environ).get(FAULT_ENV, "").strip()
+        if not raw:
+            return cls()
+        number, _, mode = raw.partition(":")
+        if not number.isdigit() or int(number) < 1 or mode not in ("", "raise", "hang"):
+            raise ValueError(f"{FAULT_ENV}: expected N or N:hang with N >= 1, got {raw!r}")
+        return cls(int(number), hang=mode == "hang")
+
+    def check(self, step: int) -> None:
+        if self.fired or step != self.step:
+            return
+        self.fired = True
+        if self.hang:
+            threading.Event().wait()  # forever; the GIL is released, so the watchdog can see it
+        raise InjectedFault(f"{FAULT_ENV}={self.step}: step {step} failed on purpose")
+
+
+class RestartBudget:
+    """At most `max_restarts` restarts within any `window_s` seconds."""
+
+    def __init__(self, max_restarts: int, window_s: float = RESTART_WINDOW_S) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self._times: deque[float] = deque()
+
+    def allow(self, now: float | None = None) -> bool:
+        """Record a restart at `now` if the budget has room for it; False when it has none."""
+        now = time.monotonic() if now is None else now
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        if len(self._times) >= self.max_restarts:
+            return False
+        self._times.append(now)
+        return True
+
+
+def step_timeout(longest_step_s: float, configured_s: float) -> float:
+    """How long a step may run before it counts as hung: the configured value, or by default
+    max(60 s, 10x the longest step so far)."""
+    if configured_s > 0:
+        return configured_s
+    return max(MIN_STEP_TIMEOUT_S, STEP_TIMEOUT_FACTOR * longest_step_s)
