@@ -18,6 +18,11 @@ PAIR_SCALE = 1e6
 # of many decode-only steps then cannot wash out what the rarer big prefill steps taught the fit.
 DEFAULT_WINDOW = 64
 FORMAT = "mixserve-step-cost/1"
+# How fast predictions follow a machine that turns slower or faster (another process taking cores): an
+# exponential average of the measured / predicted ratio of the last steps scales every prediction the
+# budget uses. The fit alone follows only as fast as its windows, over tens of steps; a stall is one step.
+DRIFT_ALPHA = 0.5
+DRIFT_RANGE = (0.5, 3.0)
 
 
 def attended_pairs(start: int, length: int) -> int:
@@ -133,11 +138,26 @@ class StepCostModel:
         self._buckets: dict[int, _Bucket] = {}
         self._fit: CostCoefficients | None = None
         self.num_samples = 0
+        # the last step observed: its time as predicted before it ran (None when nobody asked), as measured
+        self.last_predicted_s: float | None = None
+        self.last_actual_s: float | None = None
+        self.drift = 1.0  # the recent measured / predicted ratio (DRIFT_ALPHA)
 
     def observe(self, f: StepFeatures, seconds: float) -> None:
         """Learn from one step that took `seconds`."""
         if f.num_tokens <= 0 or not math.isfinite(seconds) or seconds < 0:
             return
+        # the prediction as it stood when the step was planned (known if the fit was read since the last
+        # step, as it is while a target is on; a refit here would cost every step without one)
+        fit = self._fit if self._buckets else self.prior
+        self.last_predicted_s = None
+        if fit is not None:
+            base = fit.predict(f)
+            self.last_predicted_s = base * self.drift
+            if base > 0:
+                ratio = min(max(seconds / base, DRIFT_RANGE[0]), DRIFT_RANGE[1])
+                self.drift += DRIFT_ALPHA * (ratio - self.drift)
+        self.last_actual_s = seconds
         self._buckets.setdefault(f.num_tokens.bit_length(), _Bucket()).add(_x(f), seconds, self.decay)
         self.num_samples += 1
         self._fit = None
@@ -153,8 +173,15 @@ class StepCostModel:
             self._fit = CostCoefficients(c[0], c[1] / TOKEN_SCALE, c[2] / PAIR_SCALE)
         return self._fit
 
+    @property
+    def budget_coefficients(self) -> CostCoefficients:
+        """The fit scaled by the recent drift: what the budget plans with (the file keeps the fit)."""
+        c, d = self.coefficients, self.drift
+        return c if d == 1.0 else CostCoefficients(c.overhead_s * d, c.per_token_s * d, c.per_pair_s * d)
+
     def predict(self, f: StepFeatures) -> float:
-        return self.coefficients.predict(f)
+        """The time the budget expects a step of `f` to take now (the fit times the drift)."""
+        return self.coefficients.predict(f) * self.drift
 
     # ---- the JSON file (`mixserve simulate --cost-model`, written by serve on shutdown and --profile) --
 
@@ -213,10 +240,16 @@ class TpotBudget:
         self.model = model
         self.target_s = target_s
 
+    def stats(self) -> dict:
+        """SchedulerStats' cost fields: the last step's predicted and measured time, the coefficients."""
+        m = self.model
+        return {"step_predicted_s": m.last_predicted_s, "step_actual_s": m.last_actual_s,
+                "cost_coefficients": tuple(m.coefficients.as_list())}
+
     def chunk_budget(self, step: StepFeatures, start: int, budget_left: int) -> int:
         """The largest chunk length <= budget_left, at positions `start ..`, that keeps the step's
         predicted time within the target (0 if even one token would not)."""
-        c = self.model.coefficients
+        c = self.model.budget_coefficients
         time_left = self.target_s - c.predict(step)
         if time_left < 0 or budget_left <= 0:
             return 0

@@ -288,4 +288,5 @@ class Scheduler:
             step_decode_tokens=len(last.decodes),
             step_prefill_tokens=last.num_tokens - len(last.decodes),
             **(self._cache.stats() if self._cache is not None else {}),
+            **(self.step_budget.stats() if self.step_budget is not None else {}),
         )

@@ -21,6 +21,11 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_cached_blocks: int = 0  # blocks holding a cached prefix, referenced or not (a gauge)
+    # The step cost model while a TPOT target is on (None otherwise): the last step's predicted and
+    # measured time, and the coefficients (overhead_s, per_token_s, per_pair_s) of core/cost_model.py.
+    step_predicted_s: float | None = None
+    step_actual_s: float | None = None
+    cost_coefficients: tuple[float, ...] | None = None
 
     @property
     def kv_cache_usage(self) -> float:

@@ -112,7 +112,8 @@ class StepCost:
         self.model.observe(self._features, duration_s)
         if self._predicted is None:
             return {}
-        return {"predicted_s": self._predicted, "cost_model": self.model.coefficients.as_list()}
+        return {"predicted_s": self._predicted, "cost_model": self.model.coefficients.as_list(),
+                "drift": self.model.drift}
 
     @property
     def last_predicted_s(self) -> float | None:

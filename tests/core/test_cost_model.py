@@ -141,7 +141,7 @@ def test_target_never_exceeds_the_budget_nor_starves_a_decode(seed):
             clock = pending[0][0]
             continue
         ready = {rid for rid in s._requests if s.request(rid).is_decode_ready and rid in last_token}
-        predicted_model = model.coefficients
+        predicted_model = model.budget_coefficients
         out = s.schedule()
         assert 0 < out.num_tokens <= max_batch
         assert ready <= set(out.decodes), "a running decode was left out of a step"
@@ -158,3 +158,33 @@ def test_target_never_exceeds_the_budget_nor_starves_a_decode(seed):
         for rid in s.update(out, sampled):
             last_token.pop(rid)
     assert n == len(arrivals)
+
+
+def test_scheduler_stats_carry_the_model_while_a_target_is_on():
+    model = StepCostModel(TRUE)
+    cfg = SchedulerConfig(512, block_size=16, num_blocks=64)
+    s = Scheduler(cfg, BlockPool(64)).with_prefill_policy(Chunked(512))
+    assert s.stats().cost_coefficients is None  # no target, no cost fields
+    s.with_step_budget(TpotBudget(model, 0.2))
+    s.add_request("a", [1] * 40, 3)
+    out = s.schedule()
+    f = step_features((q.start, len(q.tokens)) for q in plan(s, out).batch.seqs)
+    predicted = model.predict(f)
+    model.observe(f, 0.5)
+    stats = s.stats()
+    assert stats.step_predicted_s == pytest.approx(predicted) and stats.step_actual_s == 0.5
+    assert stats.cost_coefficients == tuple(model.coefficients.as_list()) != tuple(TRUE.as_list())
+
+
+def test_predictions_follow_a_machine_that_turns_slower_within_steps():
+    model = StepCostModel(TRUE)
+    budget = TpotBudget(model, 0.4)
+    step = step_features([(500, 1)] * 20)
+    before = budget.chunk_budget(step, 0, 2048)
+    f = step.plus(0, before)
+    for _ in range(3):  # another process takes the cores: every step now takes 1.6x as long
+        model.observe(f, 1.6 * model.coefficients.predict(f))
+        model.predict(f)  # the engine reads the model every step while a target is on
+    assert model.predict(f) >= 1.4 * model.coefficients.predict(f)
+    assert budget.chunk_budget(step, 0, 2048) < 0.7 * before
+    assert model.drift <= 3.0

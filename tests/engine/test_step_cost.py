@@ -81,3 +81,21 @@ def test_flags_and_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="max_long_partial_prefills"):
         load_config(None, {"max_long_partial_prefills": -2})
     assert load_config("runtime.toml").engine.tpot_target_ms == 0
+
+
+def test_metrics_show_the_cost_model_while_a_target_is_on(make_llm) -> None:
+    from mixserve.metrics import ServerMetrics
+
+    llm = make_llm(tpot_target_ms=400, max_batch_tokens=64)
+    llm.generate(prompts(2), GREEDY)
+    m = ServerMetrics()
+    m.observe_stats(llm.engine.stats().scheduler, stepped=True)
+    text = m.render()[0].decode()
+    model = llm.engine.step_cost.model
+    assert f"mixserve:step_cost_actual_seconds {model.last_actual_s}" in text
+    assert f"mixserve:step_cost_predicted_seconds {model.last_predicted_s}" in text
+    assert 'mixserve:step_cost_coefficient{term="per_token_s"}' in text
+    assert "mixserve:step_cost_actual_over_predicted_count 1.0" in text
+    off = ServerMetrics()
+    off.observe_stats(make_llm(max_batch_tokens=64).engine.stats().scheduler, stepped=True)
+    assert 'step_cost_coefficient{' not in off.render()[0].decode()
