@@ -40,7 +40,8 @@ def _ended_well(lines: list[str]) -> str:
     return "finished"
 
 
-def test_preemption_through_the_server_gives_each_request_its_answer_alone(tiny_model_dir, tmp_path):
+def test_preemption_through_the_server_gives_each_request_its_answer_alone(tiny_model_dir, tmp_path,
+                                                                          record_property):
     # 24 blocks x 16 = 384 tokens of KV for 16 requests of ~50 tokens each: they must take turns
     server = start_server(tiny_model_dir, tmp_path / "stderr.log", "--num-blocks", "24",
                           "--max-num-seqs", "16")
@@ -57,12 +58,15 @@ def test_preemption_through_the_server_gives_each_request_its_answer_alone(tiny_
             return [r.json()["choices"][0]["text"] for r in rs]
 
         assert asyncio.run(together()) == alone
-        assert server.metrics()["mixserve:num_preemptions_total"] > 0
+        preemptions = server.metrics()["mixserve:num_preemptions_total"]
+        record_property("preemptions", preemptions)
+        assert preemptions > 0
     finally:
         server.stop()
 
 
-def test_a_failed_step_ends_its_streams_and_the_server_serves_again(tiny_model_dir, tmp_path):
+def test_a_failed_step_ends_its_streams_and_the_server_serves_again(tiny_model_dir, tmp_path,
+                                                                   record_property):
     # step 200: late enough for all three streams to have joined (they arrive within milliseconds), early
     # enough that none has finished (900 tokens each)
     server = start_server(tiny_model_dir, tmp_path / "stderr.log", env={"MIXSERVE_FAULT_STEP": "200"})
@@ -80,6 +84,7 @@ def test_a_failed_step_ends_its_streams_and_the_server_serves_again(tiny_model_d
         wait_until(lambda: httpx.post(f"{server.url}{COMPLETIONS}", json={"prompt": "again", "max_tokens": 3},
                                       timeout=10).status_code == 200, "a request served after the restart",
                    deadline_s=5)
+        record_property("served_again_after_s", round(time.monotonic() - failed_at, 3))
         assert time.monotonic() - failed_at < 5
         m = server.metrics()
         assert m["mixserve:engine_restarts_total"] == 1 and m["mixserve:kv_cache_usage_perc"] == 0

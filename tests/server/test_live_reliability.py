@@ -45,7 +45,7 @@ def _rss_peak_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
 
 
-def test_disconnect_storm_leaves_nothing_behind(server: LiveServer):
+def test_disconnect_storm_leaves_nothing_behind(server: LiveServer, record_property):
     rng = random.Random(13)
 
     async def stream_then_leave(client: httpx.AsyncClient, leave_after: int) -> None:
@@ -65,10 +65,12 @@ def test_disconnect_storm_leaves_nothing_behind(server: LiveServer):
                 await asyncio.gather(*(stream_then_leave(client, rng.randint(1, 8)) for _ in range(30)))
 
     asyncio.run(main())
+    left = time.monotonic()
     wait_until(lambda: _idle(server), "running, waiting and KV usage all 0 after the storm", deadline_s=5)
+    record_property("storm_idle_after_s", round(time.monotonic() - left, 3))  # --junitxml keeps the figures
 
 
-def test_a_burst_is_admitted_up_to_the_queue_and_the_rest_get_429(server: LiveServer):
+def test_a_burst_is_admitted_up_to_the_queue_and_the_rest_get_429(server: LiveServer, record_property):
     wait_until(lambda: _idle(server), "an idle engine before the burst")
     peak_waiting = [0.0]
     done = threading.Event()
@@ -97,6 +99,9 @@ def test_a_burst_is_admitted_up_to_the_queue_and_the_rest_get_429(server: LiveSe
         watcher.join()
     admitted = sum(r.status_code == 200 for r in responses)
     refused = [r for r in responses if r.status_code == 429]
+    record_property("burst_admitted", admitted)
+    record_property("burst_refused_429", len(refused))
+    record_property("burst_peak_waiting", peak_waiting[0])
     assert admitted + len(refused) == 200
     assert MAX_WAITING <= admitted <= MAX_NUM_SEQS + MAX_WAITING, admitted
     assert all(r.headers.get("retry-after") == "1" for r in refused)
@@ -136,19 +141,22 @@ def _raw_upload(server: LiveServer, headers: bytes, chunks: Iterator[bytes]) -> 
     return answer.split(b"\r\n", 1)[0], sent
 
 
-def test_a_200_mb_body_is_a_413_before_the_upload_ends(server: LiveServer):
+def test_a_200_mb_body_is_a_413_before_the_upload_ends(server: LiveServer, record_property):
     size = 200 * 1024 * 1024
     peak_before = _rss_peak_kib(server.proc.pid)
     head = (f"POST {COMPLETIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {size}\r\n\r\n").encode()
     status, sent = _raw_upload(server, head, (b" " * 2**20 for _ in range(200)))
+    record_property("body_200mb_sent_before_413_mib", round(sent / 2**20, 1))
     assert b" 413 " in status and sent < size, (status, sent)
     chunked = (f"POST {COMPLETIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                "Transfer-Encoding: chunked\r\n\r\n").encode()
     mib = b"100000\r\n" + b" " * 2**20 + b"\r\n"  # one chunk of 1 MiB (its size in hex)
     status, sent = _raw_upload(server, chunked, (mib for _ in range(200)))
+    record_property("chunked_200mb_sent_before_413_mib", round(sent / 2**20, 1))
     assert b" 413 " in status and sent < size, (status, sent)
     grown_mib = (_rss_peak_kib(server.proc.pid) - peak_before) / 1024
+    record_property("body_200mb_peak_rss_growth_mib", round(grown_mib, 1))
     assert grown_mib <= 20, f"peak RSS grew {grown_mib:.1f} MiB"
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
@@ -162,7 +170,7 @@ def test_a_body_that_never_finishes_is_a_408(server: LiveServer):
     assert time.monotonic() - start < 10
 
 
-def test_a_megabyte_prompt_is_refused_while_health_keeps_answering(server: LiveServer):
+def test_a_megabyte_prompt_is_refused_while_health_keeps_answering(server: LiveServer, record_property):
     latencies: list[float] = []
     done = threading.Event()
 
@@ -184,6 +192,8 @@ def test_a_megabyte_prompt_is_refused_while_health_keeps_answering(server: LiveS
     finally:
         done.set()
         poller.join()
+    record_property("prompt_1_5mb_refused_in_s", round(r.elapsed.total_seconds(), 3))
+    record_property("health_max_latency_ms", round(max(latencies) * 1000, 1))
     assert (r.status_code, r.json()["error"]["param"]) == (400, "prompt")
     assert (chat.status_code, chat.json()["error"]["param"]) == (400, "messages")
     assert latencies and max(latencies) < 0.1, f"/health took up to {max(latencies) * 1000:.0f} ms"
