@@ -2,13 +2,43 @@
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from mixserve.runner.sampler import GREEDY_BELOW
 
 MAX_LOGPROBS = 20  # what OpenAI's API allows for top_logprobs
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow: `json_object` (any JSON object; `spec` empty), `json_schema`
+    (`spec` the schema as JSON text), `regex` (`spec` the pattern) or `choice` (`choices`: one of them)."""
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured_output: kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                             f"got {self.kind!r}")
+        if self.kind == "json_schema":
+            try:
+                json.loads(self.spec)
+            except ValueError as exc:
+                raise ValueError(f"structured_output: the schema is not JSON ({exc})") from None
+        if self.kind == "regex" and not self.spec:
+            raise ValueError("structured_output: the regex is empty")
+        choices_ok = bool(self.choices) and all(isinstance(c, str) and c for c in self.choices)
+        if self.kind == "choice" and not choices_ok:
+            raise ValueError("structured_output: choices must be non-empty strings")
+        object.__setattr__(self, "choices", tuple(self.choices))
 
 
 @dataclass(frozen=True)
@@ -19,6 +49,13 @@ class SamplingParams:
     text before them (found across token boundaries); `stop_token_ids` and EOS (unless `ignore_eos`) end
     the request with that token last in `token_ids`. `logprobs=k` returns, per generated token, its own
     log-probability and the top k of the model's distribution.
+
+    Logits processing, batched in the sampler: `presence_penalty` and `frequency_penalty` (OpenAI's
+    definitions, over the generated tokens) subtract `presence * (count > 0) + frequency * count`;
+    `repetition_penalty` (HF's, over prompt and generated tokens) divides a positive logit by it and
+    multiplies a negative one; `logit_bias` adds its value to a token's logit; `min_tokens` hides EOS and
+    the stop tokens until that many tokens are out. `structured_output` constrains every token to a
+    grammar; a grammar that has ended ends the request, whatever `ignore_eos` or `min_tokens` say.
     """
 
     max_tokens: int = 16
@@ -31,6 +68,12 @@ class SamplingParams:
     min_p: float = 0.0
     stop_token_ids: Sequence[int] | None = None
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
+    min_tokens: int = 0
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -55,6 +98,26 @@ class SamplingParams:
         # normalised forms: a tuple of strings and a tuple of ints (hashable, as a frozen dataclass should be)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", ids)
+        _check_float("presence_penalty", self.presence_penalty, low=-MAX_PENALTY, high=MAX_PENALTY)
+        _check_float("frequency_penalty", self.frequency_penalty, low=-MAX_PENALTY, high=MAX_PENALTY)
+        _check_float("repetition_penalty", self.repetition_penalty, low=0.0)
+        if self.repetition_penalty == 0.0:
+            raise ValueError("repetition_penalty: must be > 0, got 0")
+        bias = dict(self.logit_bias or {})
+        for token, value in bias.items():
+            _check_int("logit_bias", token, low=0)
+            _check_float("logit_bias", value, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
+        _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"structured_output: expected StructuredOutput, got {self.structured_output!r}")
+        # a tuple of (token, bias) pairs: hashable, as a frozen dataclass should be
+        object.__setattr__(self, "logit_bias", tuple(sorted(bias.items())))
+
+    @property
+    def penalized(self) -> bool:
+        """True when any logits processing (penalties, bias, min_tokens) applies."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or bool(self.logit_bias) or self.min_tokens > 0)
 
     @property
     def greedy(self) -> bool:
