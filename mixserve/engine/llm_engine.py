@@ -27,7 +27,7 @@ from mixserve.engine.sampling_params import SamplingParams
 from mixserve.engine.stats_log import StatsLog
 from mixserve.engine.step_cost import StepCost
 from mixserve.engine.threads import bind_threads, bound_while_loading, set_threads
-from mixserve.runner.sampler import Sampler, SamplingRow, row_seed
+from mixserve.runner.sampler import Sampler
 
 
 class RequestError(ValueError):
@@ -151,6 +151,9 @@ class LLMEngine:
         if bad is not None:
             raise RequestError(f"prompt: token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})",
                                "prompt")
+        bad = next((t for t, _ in params.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias: token id {bad} is outside the vocabulary", "logit_bias")
         total = n + params.max_tokens
         param = "prompt" if n >= self.max_model_len else "max_tokens"
         if total > self.max_model_len:
@@ -216,7 +219,7 @@ class LLMEngine:
         if index != list(range(logits.shape[0])):
             logits = logits[torch.tensor(index, dtype=torch.long, device=logits.device)]
         states = [self._requests[rid] for _, rid in rows]
-        result = self.sampler(logits, [self._sampling_row(s) for s in states])
+        result = self.sampler(logits, [s.sampling_row() for s in states])
         sampled: dict[str, tuple[int, TokenLogprobs | None]] = {}
         for i, (_, rid) in enumerate(rows):
             token, lp, top = result.token_ids[i], result.logprobs[i], result.top_logprobs[i]
@@ -281,11 +284,6 @@ class LLMEngine:
             self._trace = None
 
     # ---- helpers -------------------------------------------------------------------------------
-
-    def _sampling_row(self, state: RequestState) -> SamplingRow:
-        p = state.params
-        seed = None if p.seed is None else row_seed(p.seed, state.num_generated)
-        return SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seed, p.logprobs)
 
     def _bind_this_thread(self) -> None:
         """libgomp has one worker pool per calling thread: bind the pool of whichever thread steps."""

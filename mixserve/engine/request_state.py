@@ -5,6 +5,8 @@ from __future__ import annotations
 from mixserve.engine.detokenizer import Decoder, IncrementalDetokenizer
 from mixserve.engine.outputs import RequestMetrics, RequestOutput, RequestUpdate, TokenLogprobs
 from mixserve.engine.sampling_params import SamplingParams
+from mixserve.runner.logits_processors import ProcessorRow
+from mixserve.runner.sampler import SamplingRow, row_seed
 
 
 class RequestState:
@@ -50,6 +52,9 @@ class RequestState:
         self.token_times.append(now)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
+        if len(self.token_ids) <= self.params.min_tokens:  # nothing stops it before min_tokens (as vLLM)
+            self.text += self.detok.add(token_id)
+            return None
         if token_id in self.stop_ids:
             return "stop"  # the token stays in token_ids; its text is not added
         old_len = len(self.text)
@@ -64,6 +69,20 @@ class RequestState:
                 self.stopped_by_string = True
                 return "stop"
         return None
+
+    def sampling_row(self) -> SamplingRow:
+        """How the sampler treats this request's next token."""
+        p = self.params
+        seed = None if p.seed is None else row_seed(p.seed, self.num_generated)
+        processing = None
+        if p.penalized:
+            penalties = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            processing = ProcessorRow(
+                p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias,
+                hidden_ids=tuple(self.stop_ids) if self.num_generated < p.min_tokens else (),
+                output_ids=self.token_ids if penalties else (),
+                seen_ids=[*self.prompt_token_ids, *self.token_ids] if p.repetition_penalty != 1.0 else ())
+        return SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seed, p.logprobs, processing)
 
     def update(self, finish_reason: str | None, now: float) -> RequestUpdate:
         """The delta since the last update; with a finish reason, the rest of the text and the output."""

@@ -1,10 +1,13 @@
-"""Sampling vectorized over the batch: temperature, top-k, top-p, min-p, per-request seeds, logprobs."""
+"""Sampling vectorized over the batch: logits processing (logits_processors.py), temperature, top-k,
+top-p, min-p, per-request seeds, logprobs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from mixserve.runner.logits_processors import ProcessorRow, apply_processors
 
 _MASK = float("-inf")
 # Temperatures below this sample greedily: dividing logits by, say, 5e-324 overflows to inf and the
@@ -23,6 +26,7 @@ class SamplingRow:
     min_p: float = 0.0
     seed: int | None = None
     num_logprobs: int | None = None
+    processing: ProcessorRow | None = None  # penalties, logit_bias, min_tokens; None = none
 
 
 @dataclass(frozen=True)
@@ -50,15 +54,18 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-        """`logits` (len(rows), vocab), float32; returns one token per row."""
-        logits = logits.float()
+        """`logits` (len(rows), vocab), float32; returns one token per row. Logprobs are those of the
+        model's own distribution, before any processing (as vLLM's default)."""
+        raw = logits = logits.float()
+        if any(r.processing is not None and r.processing.active for r in rows):
+            logits = apply_processors(raw, [r.processing or ProcessorRow() for r in rows])
         greedy = [r.temperature < GREEDY_BELOW for r in rows]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, rows, greedy)
         token_list = tokens.tolist()
-        lps, tops = self._logprobs(logits, tokens, rows)
+        lps, tops = self._logprobs(raw, tokens, rows)
         return SampleResult(token_list, lps, tops)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
