@@ -188,3 +188,7 @@ def test_predictions_follow_a_machine_that_turns_slower_within_steps():
     assert model.predict(f) >= 1.4 * model.coefficients.predict(f)
     assert budget.chunk_budget(step, 0, 2048) < 0.7 * before
     assert model.drift <= 3.0
+    for _ in range(6):  # and faster again: the budget plans with the fit, never below it
+        model.observe(f, 0.5 * model.coefficients.predict(f))
+        model.predict(f)
+    assert model.drift < 1 and model.budget_coefficients == model.coefficients
