@@ -33,6 +33,8 @@ def register(subparsers: Any) -> None:
     group.add_argument("--step-timeout", default=None, metavar="SECONDS", help="[server].step_timeout_s")
     group.add_argument("--max-engine-restarts", default=None, metavar="INT",
                        help="[server].max_engine_restarts")
+    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="[server].served_model_name: the names clients may use (the first is reported)")
     group.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, how long in-flight requests may still run before they are aborted")
     group.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -50,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
             "body_timeout_s": _number_flag("--body-timeout", args.body_timeout, float),
             "step_timeout_s": _number_flag("--step-timeout", args.step_timeout, float),
             "max_engine_restarts": _number_flag("--max-engine-restarts", args.max_engine_restarts),
+            "served_model_name": args.served_model_name,
         }
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:

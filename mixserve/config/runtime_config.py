@@ -45,6 +45,7 @@ class ServerConfig:
     body_timeout_s: float = 30.0
     step_timeout_s: float = 0.0
     max_engine_restarts: int = 3
+    served_model_name: list[str] = field(default_factory=list)  # names clients may use; [] = the model's
 
 
 @dataclass(frozen=True)

@@ -49,21 +49,30 @@ _BEARER = Depends(HTTPBearer(auto_error=False))
 
 @dataclass
 class ServerState:
-    """What the routes share: the engine, its metrics, the served model's name and the [server] limits."""
+    """What the routes share: the engine, its metrics, the served model's names and the [server] limits."""
 
     engine: AsyncEngine
     metrics: ServerMetrics
-    model_name: str
+    model_names: list[str]  # the first is the one answers name when a request names none
     max_waiting: int
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
 
     @property
     def llm(self) -> Any:
         return self.engine.llm
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            message = f"The model {model!r} does not exist; this server serves {self.model_name!r}."
-            raise APIError(404, message, param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> str:
+        """The name to answer with: the request's own alias (as vLLM), or the first name."""
+        if model is None:
+            return self.model_name
+        if model not in self.model_names:
+            served = ", ".join(repr(n) for n in self.model_names)
+            raise APIError(404, f"The model {model!r} does not exist; this server serves {served}.",
+                           param="model", code="model_not_found")
+        return model
 
     def submit(self, request_id: str, ids: list[int], params: Any, arrival: float) -> Any:
         """Queue the request, or refuse it: a dead or stopping engine (503), a full queue (429)."""
@@ -91,7 +100,8 @@ def create_app(engine: Any, server_cfg: Any = None, model_name: str | None = Non
         engine.metrics = ServerMetrics()
     if model_name is None:
         model_name = getattr(getattr(engine.llm, "runner", None), "model_name", None) or "mixserve"
-    state = ServerState(engine, engine.metrics, model_name, cfg.max_waiting)
+    names = list(cfg.served_model_name) or [model_name]  # --served-model-name: aliases, as vLLM
+    state = ServerState(engine, engine.metrics, names, cfg.max_waiting)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -130,14 +140,14 @@ def create_app(engine: Any, server_cfg: Any = None, model_name: str | None = Non
     @app.get("/v1/models", dependencies=guarded, responses=ERROR_RESPONSES)
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": 0, "owned_by": "mixserve",
+            "id": name, "object": "model", "created": 0, "owned_by": "mixserve",
             "max_model_len": context_limit(state.llm),
-        }]}
+        } for name in state.model_names]}
 
     @app.post("/v1/completions", dependencies=guarded, responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        state.check_model(body.model)
+        name = state.check_model(body.model)
         refuse_unsupported(body)
         if body.echo:
             raise APIError(400, "echo is not supported.", param="echo")
@@ -146,13 +156,13 @@ def create_app(engine: Any, server_cfg: Any = None, model_name: str | None = Non
                                  default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
                                  num_logprobs=body.logprobs)
         validate(state.llm, ids, params, "prompt")
-        return await _generate(state, request, body, ids, params, chat=False,
+        return await _generate(state, request, body, ids, params, name, chat=False,
                                want_logprobs=body.logprobs is not None, arrival=arrival)
 
     @app.post("/v1/chat/completions", dependencies=guarded, responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        state.check_model(body.model)
+        name = state.check_model(body.model)
         refuse_unsupported(body)
         ids = await chat_prompt(state.llm, body)
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -160,20 +170,21 @@ def create_app(engine: Any, server_cfg: Any = None, model_name: str | None = Non
         params = sampling_params(state.llm, body, len(ids), max_tokens=max_tokens, default_max_tokens=None,
                                  num_logprobs=num_logprobs)
         validate(state.llm, ids, params, "messages")
-        return await _generate(state, request, body, ids, params, chat=True,
+        return await _generate(state, request, body, ids, params, name, chat=True,
                                want_logprobs=body.logprobs, arrival=arrival)
 
     return app
 
 
-async def _generate(state: ServerState, request: Request, body: Any, ids: list[int], params: Any, *,
-                    chat: bool, want_logprobs: bool, arrival: float) -> Response:
+async def _generate(state: ServerState, request: Request, body: Any, ids: list[int], params: Any,
+                    name: str, *, chat: bool, want_logprobs: bool, arrival: float) -> Response:
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    fmt = Formatter(request_id, state.model_name, chat, state.llm.tokenizer)
+    fmt = Formatter(request_id, name, chat, state.llm.tokenizer)
     stream = state.submit(request_id, ids, params, arrival)  # from here on, whoever ends must close it
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        continuous = include_usage and body.stream_options.continuous_usage_stats  # as vLLM: needs both
         events = stream_events(stream, fmt, len(ids), include_usage=include_usage,
-                               want_logprobs=want_logprobs)
+                               want_logprobs=want_logprobs, continuous_usage=continuous)
         return EngineStreamResponse(stream, events)
     return await collect(stream, request, fmt, len(ids), want_logprobs=want_logprobs)

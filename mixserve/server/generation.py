@@ -40,14 +40,16 @@ class EngineStreamResponse(StreamingResponse):
 
 
 async def stream_events(stream: RequestStream, fmt: Formatter, num_prompt_tokens: int, *,
-                        include_usage: bool, want_logprobs: bool) -> AsyncIterator[str]:
+                        include_usage: bool, want_logprobs: bool,
+                        continuous_usage: bool = False) -> AsyncIterator[str]:
     """SSE lines `data: {...}` ending `data: [DONE]`; an error mid-stream is an error event, then [DONE].
+    `continuous_usage`: every chunk carries the usage so far (vLLM's `continuous_usage_stats`).
 
     When the client disconnects this generator is cancelled; EngineStreamResponse closes the stream.
     """
     usage = Usage(num_prompt_tokens)
     if fmt.chat:
-        yield sse(fmt.role_chunk())
+        yield sse(fmt.role_chunk(usage if continuous_usage else None))
     try:
         async for update in stream:
             usage.completion_tokens += len(update.new_token_ids)
@@ -56,7 +58,7 @@ async def stream_events(stream: RequestStream, fmt: Formatter, num_prompt_tokens
             # one chunk per step that made a token, even if its text is held back (an unfinished UTF-8
             # character, a possible stop string): clients time tokens by chunks
             if update.new_token_ids or update.new_text or finish is not None:
-                yield sse(fmt.delta_chunk(update.new_text, finish, lp))
+                yield sse(fmt.delta_chunk(update.new_text, finish, lp, usage if continuous_usage else None))
     except (EngineDeadError, RequestFailedError) as exc:
         status, message = _failure(exc)
         yield sse(error_body(status, message))

@@ -106,20 +106,21 @@ class Formatter:
             body["usage"] = usage.body()
         return body
 
-    def role_chunk(self) -> dict[str, Any]:
+    def role_chunk(self, usage: Usage | None = None) -> dict[str, Any]:
         """Chat streams open with the assistant's role."""
         return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}])
+                             "finish_reason": None}], usage)
 
-    def delta_chunk(self, text: str, finish_reason: str | None,
-                    logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+    def delta_chunk(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None,
+                    usage: Usage | None = None) -> dict[str, Any]:
+        """One step's text; `usage` (the counts so far) with `continuous_usage_stats`."""
         lp = self.logprobs(logprobs) if logprobs is not None else None
         if self.chat:
             delta = {} if finish_reason is not None and not text else {"content": text}
             choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
-        return self._chunk([choice])
+        return self._chunk([choice], usage)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         """The last chunk of a stream with `include_usage`: no choices, only the counts."""

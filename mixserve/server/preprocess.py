@@ -7,6 +7,7 @@ after a length bound that refuses a prompt far over the context without tokenizi
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
@@ -75,8 +76,7 @@ async def chat_prompt(llm: Any, req: ChatCompletionRequest) -> list[int]:
 
 
 # (field, the value that means "off"): known OpenAI fields this server does not implement
-_UNSUPPORTED = (("best_of", 1), ("logit_bias", {}), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                ("repetition_penalty", 1.0), ("suffix", ""), ("tools", []))
+_UNSUPPORTED = (("best_of", 1), ("suffix", ""), ("tools", []))
 
 
 def refuse_unsupported(req: SamplingFields) -> None:
@@ -86,10 +86,6 @@ def refuse_unsupported(req: SamplingFields) -> None:
         value = getattr(req, name, None)
         if value is not None and value != off:
             raise APIError(400, f"{name} is not supported by this server (only {off!r}).", param=name)
-    fmt = req.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise APIError(400, f"response_format {fmt.get('type')!r} is not supported (only 'text').",
-                       param="response_format")
     choice = getattr(req, "tool_choice", None)
     if choice is not None and choice != "none":
         raise APIError(400, "tool_choice is not supported (only 'none').", param="tool_choice")
@@ -127,12 +123,63 @@ def sampling_params(llm: Any, req: SamplingFields, prompt_len: int, *, max_token
         fields["stop"] = stop
     if num_logprobs is not None:
         fields["logprobs"] = num_logprobs
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+        if getattr(req, name) is not None:
+            fields[name] = getattr(req, name)
+    if req.logit_bias:
+        fields["logit_bias"] = _logit_bias(req.logit_bias)
+    structured = structured_output(req)
+    if structured is not None:
+        fields["structured_output"] = structured
     try:
         return SamplingParams(**fields)
     except (ValueError, TypeError) as exc:
         # SamplingParams names the field first: "top_p: must be in (0, 1], got 0"
         field = str(exc).split(":", 1)[0]
         raise APIError(400, str(exc), param=field if field in fields else None) from exc
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise APIError(400, "logit_bias: keys must be token ids (integers as strings).",
+                       param="logit_bias") from None
+
+
+def structured_output(req: SamplingFields) -> Any:
+    """The grammar a request asks for (`response_format`, or vLLM's `guided_json`/`guided_regex`/
+    `guided_choice`), as a StructuredOutput; None for free text. At most one may be given."""
+    from mixserve.engine.sampling_params import StructuredOutput
+
+    guided = ("guided_json", "guided_regex", "guided_choice")
+    asked = [name for name in guided if getattr(req, name) is not None]
+    fmt = req.response_format or {}
+    kind = fmt.get("type", "text")
+    if kind != "text":
+        asked.insert(0, "response_format")
+    if len(asked) > 1:
+        raise APIError(400, f"Only one of {', '.join(asked)} may be given.", param=asked[1])
+    try:
+        if kind == "json_object":
+            return StructuredOutput("json_object")
+        if kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+            return StructuredOutput("json_schema", json.dumps(schema))
+        if kind != "text":
+            raise ValueError(f"response_format type {kind!r} is not one of text, json_object, json_schema")
+        if req.guided_json is not None:
+            schema_text = req.guided_json if isinstance(req.guided_json, str) else json.dumps(req.guided_json)
+            return StructuredOutput("json_schema", schema_text)
+        if req.guided_regex is not None:
+            return StructuredOutput("regex", req.guided_regex)
+        if req.guided_choice is not None:
+            return StructuredOutput("choice", choices=tuple(req.guided_choice))
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=asked[0] if asked else "response_format") from None
+    return None
 
 
 def validate(llm: Any, prompt_token_ids: list[int], params: Any, prompt_param: str) -> None:

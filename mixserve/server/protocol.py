@@ -20,12 +20,14 @@ StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class StreamOptions(BaseModel):
-    """`stream_options`: `include_usage` adds a last chunk with empty choices and the usage; other keys
-    (vLLM's `continuous_usage_stats`, ...) are ignored with a log line."""
+    """`stream_options`: `include_usage` adds a last chunk with empty choices and the usage; with it,
+    `continuous_usage_stats` (vLLM's) puts the usage so far on every chunk. Other keys are ignored with a
+    log line."""
 
     model_config = ConfigDict(extra="allow")
 
     include_usage: Annotated[bool, Strict()] = False
+    continuous_usage_stats: Annotated[bool, Strict()] = False
 
 
 class SamplingFields(BaseModel):
@@ -49,13 +51,19 @@ class SamplingFields(BaseModel):
     ignore_eos: Annotated[bool, Strict()] = False
     n: Int = Field(1, ge=1, description="Only 1 is supported.")
     user: str | None = None
+    presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: Float | None = Field(None, gt=0.0, description="HF's definition; 1 = off.")
+    logit_bias: dict[str, Annotated[float, Strict(), Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="Token id (as a string) -> bias added to its logit.")
+    min_tokens: Int | None = Field(None, ge=0, description="No stop before this many tokens (vLLM's).")
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}')
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's: a JSON schema to follow.")
+    guided_regex: str | None = Field(None, description="vLLM's: a regular expression to follow.")
+    guided_choice: list[str] | None = Field(None, description="vLLM's: answer exactly one of these.")
     # OpenAI fields not implemented: accepted by the schema so that the answer is a 400 naming them
     best_of: Int | None = Field(None, ge=1, description="Only 1 is supported.")
-    logit_bias: dict[str, Float] | None = Field(None, description="Not supported (400 unless empty).")
-    presence_penalty: Float | None = Field(None, description="Not supported (400 unless 0).")
-    frequency_penalty: Float | None = Field(None, description="Not supported (400 unless 0).")
-    repetition_penalty: Float | None = Field(None, description="Not supported (400 unless 1).")
-    response_format: dict[str, Any] | None = Field(None, description="Only {\"type\": \"text\"}.")
 
 
 class CompletionRequest(SamplingFields):

@@ -45,7 +45,8 @@ def test_repo_runtime_toml_schema_and_dataclasses_agree() -> None:
     data = tomllib.loads((ROOT / "runtime.toml").read_text())
     props = schema()["properties"]
     for name, cls in (("engine", EngineConfig), ("server", ServerConfig)):
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                    for f in dataclasses.fields(cls)}
         assert data[name] == defaults
         assert {k: v["default"] for k, v in props[name]["properties"].items()} == defaults
     assert load_config(str(ROOT / "runtime.toml")) == RuntimeConfig()
