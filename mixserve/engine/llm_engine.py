@@ -26,6 +26,7 @@ from mixserve.engine.request_state import RequestState
 from mixserve.engine.sampling_params import SamplingParams
 from mixserve.engine.stats_log import StatsLog
 from mixserve.engine.step_cost import StepCost
+from mixserve.engine.structured import Grammars, StepMasks
 from mixserve.engine.threads import bind_threads, bound_while_loading, set_threads
 from mixserve.runner.sampler import Sampler
 
@@ -102,6 +103,7 @@ class LLMEngine:
             policy = Chunked(cfg.max_batch_tokens)
         self.scheduler = Scheduler(sched_cfg).with_prefill_policy(policy)
         self.sampler = Sampler(cfg.seed, runner.device)
+        self.grammars = Grammars(runner.tokenizer, self.vocab_size, self.eos_token_ids)  # built on first use
         self.num_threads = set_threads(cfg.threads) if torch.device(runner.device).type == "cpu" else 0
         self._bound_thread: int | None = None
         # after set_threads: with a TPOT target and no cost model file it profiles the runner first
@@ -141,7 +143,8 @@ class LLMEngine:
     # ---- requests in and out -------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestError if the request can never run; reads only fixed settings (thread-safe)."""
+        """Raise RequestError if the request can never run; reads only fixed settings and compiles the
+        request's grammar into a locked cache (thread-safe)."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params: expected SamplingParams, got {type(params).__name__}", "params")
         n = len(prompt_token_ids)
@@ -166,6 +169,11 @@ class LLMEngine:
             raise RequestError(
                 f"{param}: prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the KV "
                 f"cache ({self.num_blocks} blocks x {self.runner.block_size} tokens)", param)
+        if params.structured_output is not None:  # a bad schema or regex is refused here, before admission
+            try:
+                self.grammars.compile(params.structured_output)
+            except ValueError as exc:
+                raise RequestError(str(exc), "structured_output") from None
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival: float | None = None
@@ -183,6 +191,8 @@ class LLMEngine:
             request_id, ids, params, self.tokenizer, self.eos_token_ids,
             time.monotonic() if arrival is None else arrival,
         )
+        if params.structured_output is not None:  # compiled by validate() (cached)
+            self._requests[request_id].grammar = self.grammars.matcher(params.structured_output, request_id)
 
     def abort(self, request_id: str) -> None:
         """Drop a request and free its blocks; unknown or finished ids are ignored."""
@@ -203,14 +213,16 @@ class LLMEngine:
             return []
         step_plan = plan(self.scheduler, out)
         self.step_cost.begin(step_plan.batch)
+        # the grammar rows' bitmask: None when no sampled row is constrained (then no work at all)
+        masks = self.grammars.begin([self._requests[rid].grammar for _, rid in step_plan.sample])
         logits = self.runner.forward(step_plan.batch)
-        sampled = self._sample(logits, step_plan.sample)
+        sampled = self._sample(logits, step_plan.sample, masks)
         finished = self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
         updates, prompt_tokens = self._postprocess(sampled, set(finished))
         return self._end_step(start, wall, out, len(step_plan.batch.seqs), prompt_tokens, updates)
 
     def _sample(
-        self, logits: torch.Tensor, rows: list[tuple[int, str]]
+        self, logits: torch.Tensor, rows: list[tuple[int, str]], masks: StepMasks | None = None
     ) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """The token (and logprobs) of each sampled row; a middle chunk's row is not among them."""
         if not rows:
@@ -219,6 +231,8 @@ class LLMEngine:
         if index != list(range(logits.shape[0])):
             logits = logits[torch.tensor(index, dtype=torch.long, device=logits.device)]
         states = [self._requests[rid] for _, rid in rows]
+        if masks is not None:  # in place, before the sampler: logprobs are the masked ones (as vLLM)
+            masks.apply(logits)
         result = self.sampler(logits, [s.sampling_row() for s in states])
         sampled: dict[str, tuple[int, TokenLogprobs | None]] = {}
         for i, (_, rid) in enumerate(rows):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from mixserve.engine.detokenizer import Decoder, IncrementalDetokenizer
 from mixserve.engine.outputs import RequestMetrics, RequestOutput, RequestUpdate, TokenLogprobs
 from mixserve.engine.sampling_params import SamplingParams
+from mixserve.engine.structured import RequestGrammar
 from mixserve.runner.logits_processors import ProcessorRow
 from mixserve.runner.sampler import SamplingRow, row_seed
 
@@ -41,6 +42,7 @@ class RequestState:
         self.finished_at: float | None = None
         self.finish_reason: str | None = None
         self.stopped_by_string = False
+        self.grammar: RequestGrammar | None = None  # structured output: set by the engine
 
     @property
     def num_generated(self) -> int:
@@ -52,6 +54,8 @@ class RequestState:
         self.token_times.append(now)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
+        if self.grammar is not None and self.grammar.accept(token_id):
+            return "stop"  # the grammar has ended (on a stop token): whatever ignore_eos or min_tokens say
         if len(self.token_ids) <= self.params.min_tokens:  # nothing stops it before min_tokens (as vLLM)
             self.text += self.detok.add(token_id)
             return None
@@ -77,9 +81,11 @@ class RequestState:
         processing = None
         if p.penalized:
             penalties = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            # a grammar decides where its output ends: hiding the stop tokens could leave it no token
+            hide = self.num_generated < p.min_tokens and self.grammar is None
             processing = ProcessorRow(
                 p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias,
-                hidden_ids=tuple(self.stop_ids) if self.num_generated < p.min_tokens else (),
+                hidden_ids=tuple(self.stop_ids) if hide else (),
                 output_ids=self.token_ids if penalties else (),
                 seen_ids=[*self.prompt_token_ids, *self.token_ids] if p.repetition_penalty != 1.0 else ())
         return SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seed, p.logprobs, processing)
