@@ -134,7 +134,7 @@ class LLMEngine:
                 dtype=resolve_dtype(cfg.dtype, device),  # auto: float32 on CPU, bfloat16 on CUDA
                 attention_backend=cfg.attention_backend,
                 cuda_graphs=cfg.cuda_graphs,
-                kv_cache_gib=cfg.cpu_kv_cache_gib,
+                cpu_kv_cache_gib=cfg.cpu_kv_cache_gib,
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
                 max_num_seqs=cfg.max_num_seqs,  # the largest decode batch a CUDA graph is captured for
             )

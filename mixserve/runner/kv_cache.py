@@ -19,21 +19,22 @@ def num_blocks_for_memory(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
-    kv_cache_gib: float = 2.0,
-    gpu_memory_utilization: float = 0.9,
+    cpu_kv_cache_gib: float,
+    gpu_memory_utilization: float,
 ) -> int:
-    """How many blocks fit: `kv_cache_gib` on the CPU; on CUDA, what is left of the utilization target."""
+    """How many blocks fit: `cpu_kv_cache_gib` on the CPU; on CUDA, what is left of the utilization target
+    (the defaults are ModelRunner.from_pretrained's)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         # Keep (1 - utilization) of the device free; weights are already loaded, so `free` counts them.
         budget = free - (1.0 - gpu_memory_utilization) * total
     else:
-        budget = kv_cache_gib * GIB
+        budget = cpu_kv_cache_gib * GIB
     n = int(budget // block_bytes(cfg, block_size, dtype))
     if n < 1:
         raise ValueError(
             f"no memory left for the KV cache on {device} (one block needs "
-            f"{block_bytes(cfg, block_size, dtype)} bytes): raise kv_cache_gib or gpu_memory_utilization"
+            f"{block_bytes(cfg, block_size, dtype)} bytes): raise cpu_kv_cache_gib or gpu_memory_utilization"
         )
     return n
 

@@ -57,8 +57,8 @@ class ModelRunner:
         attention: AttentionBackend,
         model_name: str,
         path: Path | None = None,
-        cuda_graphs: bool = True,
-        max_num_seqs: int = 256,
+        cuda_graphs: bool,
+        max_num_seqs: int,
     ):
         self.model = model
         self.config: ModelConfig = model.config
@@ -70,7 +70,6 @@ class ModelRunner:
         self.model_name = model_name
         self.path = path
         self.attention = attention
-        attention.configure(self.config.num_heads, self.config.num_kv_heads)
         on_cuda = self.device.type == "cuda"
         # On CUDA one more block than the scheduler knows: the scratch block decode-graph padding rows write.
         self.kv_cache = KVCache(self.config, num_blocks + int(on_cuda), block_size, self.dtype, self.device)
@@ -81,6 +80,8 @@ class ModelRunner:
             from mixserve.kernels.self_check import check_or_disable
 
             self.kernels_off_reason = check_or_disable(self.device, self.dtype)
+        # After the self-check: a backend that composes its kernels per device (GpuAttention) does it here.
+        attention.configure(self.config.num_heads, self.config.num_kv_heads, self.device)
         # The layer ops, decided once here and handed to the model (which packs its weights for them): the
         # Triton set on CUDA, prepacked oneDNN linears on a CPU (mixserve/model/ops.py).
         self.cpu_features: CpuFeatures | None = None
@@ -90,15 +91,13 @@ class ModelRunner:
         self.ops: LayerOps = select_ops(self.device, self.dtype, self.config.hidden_size)
         model.prepare(self.ops)
         self.graphs = None  # DecodeGraphs (runner/cuda_graph.py): decode-only steps replay CUDA graphs
-        if cuda_graphs and on_cuda:
-            from mixserve.kernels import use_triton
+        if cuda_graphs and on_cuda and attention.supports_graphs:
             from mixserve.runner.cuda_graph import DecodeGraphs, decode_model_fn
 
-            # With the Triton kernels on (self-check passed), graphs run the paged decode kernel.
-            self.graphs = DecodeGraphs(decode_model_fn(self.model, self.kv_cache.layers),
-                                       block_size=block_size, max_num_seqs=max_num_seqs,
-                                       scratch_block=num_blocks, device=self.device,
-                                       paged=use_triton(torch.empty(0, device=self.device)))
+            # The graphs run this runner's own backend: its decode part decides which steps they take.
+            model_fn = decode_model_fn(self.model, self.kv_cache.layers, attention)
+            self.graphs = DecodeGraphs(model_fn, attention, block_size=block_size, max_num_seqs=max_num_seqs,
+                                       scratch_block=num_blocks, device=self.device)
 
     @classmethod
     def from_pretrained(
@@ -110,14 +109,14 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype | None = None,
         attention_backend: str = "auto",
-        kv_cache_gib: float = 2.0,
+        cpu_kv_cache_gib: float = 2.0,
         gpu_memory_utilization: float = 0.9,
         cuda_graphs: bool = True,
         max_num_seqs: int = 256,
     ) -> ModelRunner:
         """Load a GGUF file or HF folder (None: the default model) and allocate `num_blocks` KV blocks.
 
-        num_blocks=0 sizes the cache from memory: `kv_cache_gib` on the CPU, `gpu_memory_utilization` of
+        num_blocks=0 sizes the cache from memory: `cpu_kv_cache_gib` on the CPU, `gpu_memory_utilization` of
         the GPU. On CUDA, decode-only steps of up to `max_num_seqs` sequences replay CUDA graphs
         (`cuda_graphs=False` runs every step eagerly)."""
         if block_size < 1:
@@ -129,7 +128,7 @@ class ModelRunner:
         attention = get_backend(attention_backend, dev, dt)
         loaded = load_model(model, device=dev, dtype=dt)
         if num_blocks == 0:
-            num_blocks = num_blocks_for_memory(loaded.config, block_size, dt, dev, kv_cache_gib,
+            num_blocks = num_blocks_for_memory(loaded.config, block_size, dt, dev, cpu_kv_cache_gib,
                                                gpu_memory_utilization)
         return cls(loaded.model, loaded.tokenizer, num_blocks=num_blocks, block_size=block_size,
                    attention=attention, model_name=loaded.name, path=loaded.path, cuda_graphs=cuda_graphs,

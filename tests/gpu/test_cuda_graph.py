@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from mixserve.core import ForwardBatch, ForwardSeq
+from mixserve.model.attention.gpu import GpuAttention, paged_capacity
+from mixserve.model.attention.torch_ref import TorchAttention
 from mixserve.runner.cuda_graph import (
     DecodeGraphs,
     DecodeLayout,
@@ -13,7 +15,6 @@ from mixserve.runner.cuda_graph import (
     decode_model_fn,
     graph_ladder,
     graph_size,
-    paged_capacity,
 )
 from mixserve.runner.model_runner import ModelRunner
 
@@ -49,8 +50,8 @@ def test_padding_rows_point_at_the_scratch_block():
 
 
 def test_only_small_decode_only_batches_have_a_key():
-    graphs = DecodeGraphs(lambda ids, meta: ids, block_size=BLOCK_SIZE, max_num_seqs=4, scratch_block=SCRATCH,
-                          device=torch.device("cpu"), max_ctx=64)
+    graphs = DecodeGraphs(lambda ids, meta: ids, dense(), block_size=BLOCK_SIZE, max_num_seqs=4,
+                          scratch_block=SCRATCH, device=torch.device("cpu"), max_ctx=64)
     decode = ForwardSeq("a", [1], 9, [0, 1, 2])
     assert graphs.key(ForwardBatch([decode] * 3)) == (4, 12)
     assert graphs.key(ForwardBatch([decode] * 5)) is None  # over max_num_seqs
@@ -65,8 +66,10 @@ def test_paged_capacity_is_a_power_of_two_in_whole_blocks():
 
 def test_paged_graphs_take_any_decode_only_batch():
     def make(paged: bool) -> DecodeGraphs:
-        return DecodeGraphs(lambda ids, meta: ids, block_size=BLOCK_SIZE, max_num_seqs=4,
-                            scratch_block=SCRATCH, device=torch.device("cpu"), max_ctx=64, paged=paged)
+        attention = GpuAttention(decode_kernel="triton" if paged else "dense")
+        attention.configure(4, 2, torch.device("cpu"))
+        return DecodeGraphs(lambda ids, meta: ids, attention, block_size=BLOCK_SIZE, max_num_seqs=4,
+                            scratch_block=SCRATCH, device=torch.device("cpu"), max_ctx=64)
 
     long, short = ForwardSeq("a", [1], 40, list(range(11))), ForwardSeq("b", [1], 2, [11])
     lopsided = ForwardBatch([long, short, short])  # 44 of 3 x 44 slots: the dense path goes eager
@@ -74,6 +77,18 @@ def test_paged_graphs_take_any_decode_only_batch():
     assert make(True).key(lopsided) == (4, 64)
     assert make(True).key(ForwardBatch([short])) == (1, 4)
     assert make(True).key(ForwardBatch([short, ForwardSeq("c", [1, 2], 0, [12])])) is None  # a chunk
+
+
+def dense() -> GpuAttention:
+    attention = GpuAttention(decode_kernel="dense")
+    attention.configure(4, 2, torch.device("cpu"))
+    return attention
+
+
+def test_a_backend_without_graph_hooks_gets_no_graphs():
+    with pytest.raises(ValueError, match="torch attention backend does not run in CUDA graphs"):
+        DecodeGraphs(lambda ids, meta: ids, TorchAttention(), block_size=BLOCK_SIZE, max_num_seqs=4,
+                     scratch_block=SCRATCH, device=torch.device("cpu"))
 
 
 @pytest.mark.parametrize("triton, paged", [(False, False), (True, False), (True, True)])
@@ -91,9 +106,11 @@ def test_static_buffer_decode_matches_the_eager_runner(tiny_model_dir, triton, p
     for (k, v), (k0, v0) in zip(runner.kv_cache.layers, saved, strict=True):
         k.copy_(k0)
         v.copy_(v0)
-    graphs = DecodeGraphs(decode_model_fn(runner.model, runner.kv_cache.layers), block_size=BLOCK_SIZE,
-                          max_num_seqs=8, scratch_block=SCRATCH, device=runner.device, max_ctx=64,
-                          paged=paged)
+    attention = GpuAttention(decode_kernel="triton" if paged else "dense")
+    attention.configure(runner.config.num_heads, runner.config.num_kv_heads, runner.device)
+    graphs = DecodeGraphs(decode_model_fn(runner.model, runner.kv_cache.layers, attention), attention,
+                          block_size=BLOCK_SIZE, max_num_seqs=8, scratch_block=SCRATCH, device=runner.device,
+                          max_ctx=64)
     if triton:  # as on CUDA: the model's fused path and the backend's Triton decode and cache writes
         from mixserve import kernels
 

@@ -1,4 +1,5 @@
-"""FlexAttention backend on the CPU (eager, small shapes): metadata, block lists, outputs vs torch_ref."""
+"""GpuAttention on the CPU (dense decode, eager FlexAttention; small shapes): the host flattener, block
+lists, the SDPA fallback, outputs vs torch_ref."""
 
 from __future__ import annotations
 
@@ -8,13 +9,10 @@ import pytest
 import torch
 
 from mixserve.core import ForwardBatch, ForwardSeq
-from mixserve.model.attention.dense_decode import (
-    context_capacity,
-    dense_decode_capacity,
-    is_decode_only,
-)
-from mixserve.model.attention.device_metadata import host_inputs
-from mixserve.model.attention.flex import FLEX_BLOCK, FlexAttentionBackend, block_ranges, bucket
+from mixserve.model.attention.base import flatten, is_decode_only
+from mixserve.model.attention.dense_decode import DecodePlan, context_capacity, dense_decode_capacity
+from mixserve.model.attention.gpu import GpuAttention
+from mixserve.model.attention.packed_flex import FLEX_BLOCK, FlexPlan, block_ranges, bucket
 from mixserve.model.attention.torch_ref import TorchAttention
 
 BLOCK_SIZE = 4
@@ -43,7 +41,7 @@ def run_both(batch: ForwardBatch, seed: int = 0, num_blocks: int = NUM_BLOCKS) -
     t = batch.num_tokens
     q, k, v = (torch.randn(t, h, D, generator=g) for h in (HQ, HKV, HKV))
     outs, caches = [], []
-    for backend in (TorchAttention(), FlexAttentionBackend()):
+    for backend in (TorchAttention(), GpuAttention()):
         kc, vc = history[0].clone(), history[1].clone()
         meta = backend.prepare(batch, BLOCK_SIZE, torch.device("cpu"))
         outs.append(backend.forward(q, k, v, kc, vc, meta))
@@ -58,13 +56,14 @@ def test_bucket_pads_to_a_few_sizes():
     assert context_capacity(640, 16) == 640 and context_capacity(5, 4) == 8
 
 
-def test_host_inputs_follow_the_block_tables():
-    lists = host_inputs(mixed_batch(), BLOCK_SIZE)
-    assert lists["positions"][:3] == [5, 0, 7]
+def test_the_flattener_follows_the_block_tables():
+    host = flatten(mixed_batch(), BLOCK_SIZE)
+    assert host.positions[:3] == [5, 0, 7]
     # d1 position 5 -> block_table[1] = 9, offset 1; c1 position 7 -> block_table[1] = 2, offset 3
-    assert lists["slot_mapping"][:3] == [9 * 4 + 1, 4 * 4, 2 * 4 + 3]
-    assert lists["seq_lens"] == [6, 1, 13, 9]
-    assert lists["width"] == [4] and len(lists["block_tables"]) == 16
+    assert host.slot_mapping[:3] == [9 * 4 + 1, 4 * 4, 2 * 4 + 3]
+    assert host.seq_lens == [6, 1, 13, 9]
+    assert host.width == 4 and len(host.block_tables) == 16
+    assert host.block_tables[:4] == [3, 9, 0, 0]  # padded with 0 to the widest table the contexts need
 
 
 def test_block_ranges_keep_only_overlapping_sequences():
@@ -89,9 +88,9 @@ def test_mixed_batch_matches_reference():
 def test_decode_only_batch_takes_dense_path_and_matches_reference():
     batch = ForwardBatch([seq("a", 1, 9, [5, 6, 7]), seq("b", 1, 7, [1, 9]), seq("c", 1, 8, [2, 10, 12])])
     assert is_decode_only(batch)
-    meta = FlexAttentionBackend().prepare(batch, BLOCK_SIZE, torch.device("cpu"))
-    assert "decode" in meta.extra and meta.block_tables.shape == (3, 12 // BLOCK_SIZE)
-    assert dense_decode_capacity(batch, BLOCK_SIZE) == 12
+    meta = GpuAttention().prepare(batch, BLOCK_SIZE, torch.device("cpu"))
+    assert isinstance(meta.plan, DecodePlan) and meta.block_tables.shape == (3, 12 // BLOCK_SIZE)
+    assert dense_decode_capacity([10, 8, 9], BLOCK_SIZE) == 12
     ref, flex, _, _ = run_both(batch, seed=1)
     torch.testing.assert_close(flex, ref, atol=1e-5, rtol=1e-5)
 
@@ -99,8 +98,8 @@ def test_decode_only_batch_takes_dense_path_and_matches_reference():
 def test_unbalanced_decodes_take_the_packed_path():
     short = [seq(f"s{i}", 1, 2, [30 + i]) for i in range(4)]
     batch = ForwardBatch([seq("long", 1, 90, list(range(23))), *short])
-    assert dense_decode_capacity(batch, BLOCK_SIZE) is None
-    assert "flex" in FlexAttentionBackend().prepare(batch, BLOCK_SIZE, torch.device("cpu")).extra
+    assert dense_decode_capacity([s.start + 1 for s in batch.seqs], BLOCK_SIZE) is None
+    assert isinstance(GpuAttention().prepare(batch, BLOCK_SIZE, torch.device("cpu")).plan, FlexPlan)
     ref, flex, _, _ = run_both(batch, seed=4)
     torch.testing.assert_close(flex, ref, atol=1e-5, rtol=1e-5)
 
@@ -123,8 +122,8 @@ def test_sparse_block_lists_cover_every_visible_pair():
         seq("b", 1, 150, list(range(75, 113))),
         seq("c", 90, 0, list(range(113, 136))),
     ])
-    meta = FlexAttentionBackend().prepare(batch, BLOCK_SIZE, torch.device("cpu"))
-    plan = meta.extra["flex"]
+    plan = GpuAttention().prepare(batch, BLOCK_SIZE, torch.device("cpu")).plan
+    assert isinstance(plan, FlexPlan)
     bm = plan.block_mask
     q_idx = torch.arange(plan.q_pad)[:, None]
     kv_idx = torch.arange(plan.kv_pad)[None, :]
@@ -147,7 +146,7 @@ def test_compiled_flex_matches_reference_on_cuda():
     q, k, v = (torch.randn(t, h, D, generator=g).to(dev, torch.bfloat16) for h in (HQ, HKV, HKV))
     outs = []
     # packed_kernel="flex": compiled FlexAttention; the default runs the Triton varlen kernel where it can.
-    for backend in (TorchAttention(), FlexAttentionBackend(packed_kernel="flex"), FlexAttentionBackend()):
+    for backend in (TorchAttention(), GpuAttention(packed_kernel="flex"), GpuAttention()):
         kc = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, HKV, D, device=dev, dtype=torch.bfloat16)
         vc = torch.zeros_like(kc)
         meta = backend.prepare(batch, BLOCK_SIZE, dev)
@@ -157,12 +156,13 @@ def test_compiled_flex_matches_reference_on_cuda():
 
 
 def test_a_failing_flex_falls_back_to_the_reference(monkeypatch):
-    backend = FlexAttentionBackend()
+    backend = GpuAttention()
+    packed = backend.parts(torch.device("cpu"))[1]
 
     def broken(device):
         raise RuntimeError("no flex here")
 
-    monkeypatch.setattr(backend, "_flex_fn", broken)
+    monkeypatch.setattr(packed, "flex_fn", broken)
     batch = mixed_batch()
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(batch.num_tokens, h, D, generator=g) for h in (HQ, HKV, HKV))

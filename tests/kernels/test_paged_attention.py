@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 from mixserve import kernels  # noqa: E402
 from mixserve.core import ForwardBatch, ForwardSeq  # noqa: E402
 from mixserve.kernels import paged_attention as pa  # noqa: E402
-from mixserve.model.attention.flex import FlexAttentionBackend  # noqa: E402
+from mixserve.model.attention.gpu import GpuAttention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3}
@@ -106,7 +106,7 @@ def test_store_kv_writes_exactly_the_named_slots():
         assert changed.tolist() == sorted(slots.tolist())  # the named slots, nothing else
 
 
-# ---- wiring: FlexAttentionBackend's decode-only branch ----------------------------------------------------
+# ---- wiring: GpuAttention's decode part ----------------------------------------------------
 
 def decode_batch() -> ForwardBatch:
     """Three decodes (block size 4, contexts of 10, 8 and 9 tokens) over scattered blocks."""
@@ -114,7 +114,7 @@ def decode_batch() -> ForwardBatch:
                          ForwardSeq("c", [3], 8, [2, 10, 12])])
 
 
-def run_backend(backend: FlexAttentionBackend, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def run_backend(backend: GpuAttention, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(4)
     k_cache, v_cache = (torch.randn(16, 4, 2, 16, generator=g).to(DEVICE) for _ in range(2))
     qkv = torch.randn(batch.num_tokens, 8 + 2 + 2, 16, generator=g).to(DEVICE)
@@ -140,19 +140,23 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
 
 def test_backend_decode_runs_the_triton_kernel_when_use_triton(calls: dict[str, int]):
-    auto = FlexAttentionBackend()
-    assert auto.decode_kernel_for(torch.zeros(1)) == "triton"
+    auto = GpuAttention()
+    assert auto.parts(DEVICE)[0].name == "triton"
     got, got_cache = run_backend(auto, decode_batch())
     assert calls == {"paged_decode_attention": 1, "store_kv": 1}
-    want, want_cache = run_backend(FlexAttentionBackend(decode_kernel="dense"), decode_batch())
+    want, want_cache = run_backend(GpuAttention(decode_kernel="dense"), decode_batch())
     assert calls == {"paged_decode_attention": 1, "store_kv": 2}  # dense attention; the write is store_kv
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(got_cache, want_cache)
 
 
 def test_backend_decode_stays_dense_without_triton():
-    backend = FlexAttentionBackend()
     if not torch.cuda.is_available():
-        assert backend.decode_kernel_for(torch.zeros(1)) == "dense"
+        assert GpuAttention().parts(DEVICE)[0].name == "dense"
+    kernels.set_enabled(False)  # as a failed start-up self-check leaves them
+    try:
+        assert GpuAttention().parts(DEVICE)[0].name == "dense"
+    finally:
+        kernels.set_enabled(True)
     with pytest.raises(ValueError, match="decode_kernel"):
-        FlexAttentionBackend(decode_kernel="paged")
+        GpuAttention(decode_kernel="paged")

@@ -15,7 +15,9 @@ pytest.importorskip("triton")
 from mixserve import kernels  # noqa: E402
 from mixserve.core import ForwardBatch, ForwardSeq  # noqa: E402
 from mixserve.kernels import varlen_attention as va  # noqa: E402
-from mixserve.model.attention.flex import FlexAttentionBackend  # noqa: E402
+from mixserve.model.attention.gpu import GpuAttention  # noqa: E402
+from mixserve.model.attention.packed_flex import FlexPlan  # noqa: E402
+from mixserve.model.attention.packed_varlen import VarlenPlan  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3}
@@ -99,7 +101,7 @@ def test_default_block_m_gives_16_to_64_rows():
     assert [va.default_block_m(g) for g in (1, 2, 3, 4, 8, 16, 64, 128)] == [64, 32, 16, 16, 8, 4, 1, 1]
 
 
-# ---- wiring: FlexAttentionBackend's packed branch ---------------------------------------------------------
+# ---- wiring: GpuAttention's packed part ---------------------------------------------------------
 
 def mixed_batch() -> ForwardBatch:
     """A decode at context 10, a chunk resuming at position 3, and a first chunk of 6 (block size 4)."""
@@ -107,14 +109,14 @@ def mixed_batch() -> ForwardBatch:
                          ForwardSeq("c", [5, 6, 7, 8, 9, 10], 0, [2, 10])])
 
 
-def run_backend(backend: FlexAttentionBackend, batch: ForwardBatch) -> tuple[torch.Tensor, dict]:
+def run_backend(backend: GpuAttention, batch: ForwardBatch) -> tuple[torch.Tensor, object]:
     """One layer (Hq 8, Hkv 2: group 4) through `backend` on caches holding the same random history."""
     g = torch.Generator().manual_seed(4)
     k_cache, v_cache = (torch.randn(16, 4, 2, 16, generator=g).to(DEVICE) for _ in range(2))
     qkv = torch.randn(batch.num_tokens, 8 + 2 + 2, 16, generator=g).to(DEVICE)
     q, k, v = qkv[:, :8], qkv[:, 8:10], qkv[:, 10:]
     meta = backend.prepare(batch, 4, DEVICE)
-    return backend.forward(q, k, v, k_cache, v_cache, meta), meta.extra
+    return backend.forward(q, k, v, k_cache, v_cache, meta), meta.plan
 
 
 @pytest.fixture
@@ -129,42 +131,42 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def test_backend_packed_path_runs_the_triton_kernel(launches: list[int]):
-    backend = FlexAttentionBackend()
-    assert backend.packed_kernel_for(torch.zeros(1)) == "triton"
-    got, extra = run_backend(backend, mixed_batch())
-    assert "flex" not in extra and extra["varlen"].block_m == va.default_block_m(4)
+    backend = GpuAttention()
+    assert backend.parts(DEVICE)[1].name == "triton"
+    got, plan = run_backend(backend, mixed_batch())
+    assert isinstance(plan, VarlenPlan) and plan.block_m == va.default_block_m(4)
     # prepare guessed group 1 (block_m 64); the first forward retiled for group 4, the next prepare knows.
     assert launches == [va.default_block_m(4)]
-    again, extra = run_backend(backend, mixed_batch())
-    plan = extra["varlen"]
+    again, plan = run_backend(backend, mixed_batch())
     assert plan.block_m == va.default_block_m(4) and launches == [16, 16]
     assert plan.tile_seq.tolist() == [0, 1, 2] and plan.tile_start.tolist() == [0, 1, 4]
-    want, extra = run_backend(FlexAttentionBackend(packed_kernel="flex"), mixed_batch())
-    assert "flex" in extra and "varlen" not in extra and len(launches) == 2
+    want, plan = run_backend(GpuAttention(packed_kernel="flex"), mixed_batch())
+    assert isinstance(plan, FlexPlan) and len(launches) == 2
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(again, want, atol=1e-5, rtol=1e-5)
 
 
 def test_a_configured_backend_tiles_for_its_group_from_the_first_step(launches: list[int]):
-    backend = FlexAttentionBackend()
-    backend.configure(num_heads=8, num_kv_heads=2)  # as ModelRunner does
-    meta = backend.prepare(mixed_batch(), 4, DEVICE)
-    assert meta.extra["varlen"].block_m == va.default_block_m(4)
+    backend = GpuAttention()
+    backend.configure(num_heads=8, num_kv_heads=2, device=DEVICE)  # as ModelRunner does
+    plan = backend.prepare(mixed_batch(), 4, DEVICE).plan
+    assert isinstance(plan, VarlenPlan) and plan.block_m == va.default_block_m(4)
 
 
 def test_backend_tiles_ride_in_the_one_h2d_copy(launches: list[int]):
-    backend = FlexAttentionBackend()
+    backend = GpuAttention()
     meta = backend.prepare(mixed_batch(), 4, DEVICE)
-    plan = meta.extra["varlen"]
+    plan = meta.plan
+    assert isinstance(plan, VarlenPlan)
     one_buffer = meta.positions.untyped_storage().data_ptr()
     for t in (plan.tile_seq, plan.tile_start, meta.seq_lens, meta.block_tables):
         assert t.untyped_storage().data_ptr() == one_buffer
 
 
 def test_backend_packed_path_stays_flex_without_triton():
-    backend = FlexAttentionBackend(packed_kernel="triton")
+    backend = GpuAttention(packed_kernel="triton")
     if not torch.cuda.is_available():
-        assert backend.packed_kernel_for(torch.zeros(1)) == "flex"
-        assert "flex" in backend.prepare(mixed_batch(), 4, DEVICE).extra
+        assert backend.parts(DEVICE)[1].name == "flex"
+        assert isinstance(backend.prepare(mixed_batch(), 4, DEVICE).plan, FlexPlan)
     with pytest.raises(ValueError, match="packed_kernel"):
-        FlexAttentionBackend(packed_kernel="varlen")
+        GpuAttention(packed_kernel="varlen")

@@ -28,7 +28,7 @@ def test_public_import_and_attributes(tiny_model_dir: Path) -> None:
 def test_num_blocks_zero_sizes_the_cache_from_memory(tiny_model_dir: Path) -> None:
     from mixserve import ModelRunner
 
-    r = ModelRunner.from_pretrained(str(tiny_model_dir), num_blocks=0, block_size=16, kv_cache_gib=0.01)
+    r = ModelRunner.from_pretrained(str(tiny_model_dir), num_blocks=0, block_size=16, cpu_kv_cache_gib=0.01)
     assert r.num_blocks == int(0.01 * (1 << 30) // block_bytes(r.config, 16, torch.float32))
     assert r.kv_cache.nbytes <= 0.01 * (1 << 30)
 

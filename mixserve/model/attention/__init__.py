@@ -14,9 +14,12 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "build_metadata"
 # name -> "module:Class", imported only when asked for (the GPU backend needs a recent torch on CUDA).
 BACKENDS: dict[str, str] = {
     "torch": "mixserve.model.attention.torch_ref:TorchAttention",
-    "flex": "mixserve.model.attention.flex:FlexAttentionBackend",
+    "gpu": "mixserve.model.attention.gpu:GpuAttention",
     "cpu": "mixserve.model.attention.cpu_paged:CpuPagedAttention",
 }
+# Older names users may have in a runtime.toml: "flex" was the GPU backend's name while FlexAttention was
+# its only packed kernel.
+ALIASES: dict[str, str] = {"flex": "gpu"}
 log = logging.getLogger("mixserve")
 
 
@@ -26,15 +29,15 @@ def _load(name: str) -> type[AttentionBackend]:
 
 
 def get_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> AttentionBackend:
-    """An attention backend by name: "auto", "torch", "flex" or "cpu".
+    """An attention backend by name: "auto", "torch", "gpu" (alias "flex") or "cpu".
 
-    "auto" is flex on CUDA (when it imports); on the CPU it is the C++ paged kernel ("cpu") for float32
+    "auto" is gpu on CUDA (when it imports); on the CPU it is the C++ paged kernel ("cpu") for float32
     and bfloat16, built on first use — where it cannot be built (no compiler), torch with one warning."""
     device = torch.device(device)
     if name == "auto":
         if device.type == "cuda":
             try:
-                return _load("flex")()
+                return _load("gpu")()
             except ImportError:
                 pass
         elif dtype in (None, torch.float32, torch.bfloat16):
@@ -45,8 +48,10 @@ def get_backend(name: str, device: torch.device | str, dtype: torch.dtype | None
             except KernelBuildError as e:
                 log.warning("CPU attention kernel unavailable (%s): using the slower torch backend", e)
         return _load("torch")()
+    name = ALIASES.get(name, name)
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, {', '.join(BACKENDS)}, "
+                         f"{', '.join(ALIASES)}")
     try:
         return _load(name)()
     except ImportError as e:

@@ -2,18 +2,19 @@
 
 A decode-only step (one token per sequence) gathers each sequence's first C cache slots for a context
 capacity C, then attends with two grouped matmuls and a length mask. Its shapes depend only on (S, C), so
-a CUDA graph can capture it (mixserve/runner/cuda_graph.py). It is the decode path where the paged Triton
-kernel is not used (no triton, kernels off, or FlexAttentionBackend(decode_kernel="dense")).
+a CUDA graph can capture it (mixserve/runner/cuda_graph.py). It is GpuAttention's decode part where the
+paged Triton kernel is not used (no triton, kernels off, or GpuAttention(decode_kernel="dense")).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from mixserve.core import ForwardBatch
+from mixserve.model.attention.base import AttentionMetadata, AttentionPlan
 
 
 def context_capacity(max_seq_len: int, block_size: int) -> int:
@@ -29,27 +30,19 @@ def context_capacity(max_seq_len: int, block_size: int) -> int:
 
 
 @dataclass
-class DecodePlan:
-    """Per-forward state of the dense decode path: meta.block_tables has ctx // block_size columns."""
+class DecodePlan(AttentionPlan):
+    """A decode-only step (eager or in a CUDA graph): meta.block_tables has ctx // block_size columns."""
 
     ctx: int  # context capacity C (multiple of block_size)
     block_size: int
 
 
-def is_decode_only(batch: ForwardBatch) -> bool:
-    """True when every sequence is a single-token decode."""
-    return bool(batch.seqs) and all(len(s.tokens) == 1 for s in batch.seqs)
+def dense_decode_capacity(seq_lens: Sequence[int], block_size: int) -> int | None:
+    """Context capacity for the dense decode path, or None when these decodes should go packed.
 
-
-def dense_decode_capacity(batch: ForwardBatch, block_size: int) -> int | None:
-    """Context capacity for the dense decode path, or None when the batch should use the packed path.
-
-    The dense path reads ctx slots per sequence, so it is taken only for decode-only batches whose
-    contexts fill at least half of S x ctx (a mix of one long and many short contexts goes packed).
+    The dense path reads ctx slots per sequence, so it is taken only for decodes whose contexts fill at
+    least half of S x ctx (a mix of one long and many short contexts goes packed).
     """
-    if not is_decode_only(batch):
-        return None
-    seq_lens = [s.start + 1 for s in batch.seqs]
     ctx = context_capacity(max(seq_lens), block_size)
     return ctx if 2 * sum(seq_lens) >= len(seq_lens) * ctx else None
 
@@ -76,3 +69,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(batch, group, ctx)
     out = torch.bmm(probs, v).view(num_kv_heads, num_seqs, group, head_dim).transpose(0, 1)
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+class DenseDecode:
+    """GpuAttention's decode part without Triton: decode_attention over capacities of context_capacity."""
+
+    name = "dense"
+
+    def capacity(self, seq_lens: Sequence[int], block_size: int) -> int | None:
+        return dense_decode_capacity(seq_lens, block_size)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               plan: DecodePlan) -> torch.Tensor:
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, plan.ctx)

@@ -6,28 +6,25 @@ longest context and masked by length; each multi-token sequence (a prefill chunk
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
 from mixserve.core.batch import ForwardBatch
-from mixserve.model.attention.base import AttentionBackend, AttentionMetadata, build_metadata
+from mixserve.model.attention.base import AttentionBackend, AttentionMetadata, AttentionPlan, build_metadata
+from mixserve.model.attention.sdpa import attend_sequence, causal_mask, gather_kv, write_kv
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store each packed token's K/V at its flat slot (block * block_size + offset)."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+@dataclass
+class TorchPlan(AttentionPlan):
+    """The decodes as one batch (rows, tables, length mask), the chunks as (seq, begin, n, length, mask)."""
 
-
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """Positions 0..length-1 of each (B, blocks) table's sequence as (B, Hkv, length, D)."""
-    b, block_size = block_tables.shape[0], cache.shape[1]
-    num_blocks = -(-length // block_size)
-    # index_select on the flat block ids is 2-4x faster on the CPU than advanced indexing with a 2-D index
-    ids = block_tables[:, :num_blocks].reshape(-1)
-    kv = cache.index_select(0, ids).view(b, num_blocks * block_size, *cache.shape[2:])
-    return kv[:, :length].transpose(1, 2)
+    decode_rows: torch.Tensor | None = None  # (B,) packed rows of the decodes; None: no decode
+    decode_tables: torch.Tensor | None = None  # (B, width)
+    decode_len: int = 0  # the longest decode context
+    decode_mask: torch.Tensor | None = None  # (B, 1, 1, decode_len): keys up to each own position
+    chunks: list[tuple[int, int, int, int, torch.Tensor | None]] = field(default_factory=list)
 
 
 class TorchAttention(AttentionBackend):
@@ -38,59 +35,42 @@ class TorchAttention(AttentionBackend):
     def prepare(self, batch: ForwardBatch, block_size: int, device: torch.device) -> AttentionMetadata:
         meta = build_metadata(batch, block_size, device)
         qlens, lens = meta.query_lens_cpu, meta.seq_lens_cpu
+        plan = TorchPlan()
         decodes = [i for i, n in enumerate(qlens) if n == 1]
         if decodes:
             longest = max(lens[i] for i in decodes)
-            idx = torch.tensor(decodes, dtype=torch.int64)
+            idx = torch.tensor(decodes, dtype=torch.int64).to(device)
             dec_lens = torch.tensor([lens[i] for i in decodes], dtype=torch.int64)
-            meta.extra["decode_rows"] = meta.last_token_index[idx.to(device)]
-            meta.extra["decode_tables"] = meta.block_tables[idx.to(device)]
-            meta.extra["decode_len"] = longest
-            # (B, 1, 1, L): a decode sees every key up to its own position, none of the padding
+            plan.decode_rows = meta.last_token_index[idx]
+            plan.decode_tables = meta.block_tables[idx]
+            plan.decode_len = longest
             mask = torch.arange(longest).unsqueeze(0) < dec_lens.unsqueeze(1)
-            meta.extra["decode_mask"] = mask[:, None, None, :].to(device)
-        chunks = []
+            plan.decode_mask = mask[:, None, None, :].to(device)
         begin = 0
         for i, (n, length) in enumerate(zip(qlens, lens, strict=True)):
             if n > 1:
-                start = length - n
-                mask = None
-                if start > 0:
-                    # query j sits at position start + j: it sees keys 0..start + j (bottom-right causal)
-                    qpos = torch.arange(start, length).unsqueeze(1)
-                    mask = (torch.arange(length).unsqueeze(0) <= qpos).to(device)
-                chunks.append((i, begin, n, length, mask))
+                plan.chunks.append((i, begin, n, length, causal_mask(n, length, device)))
             begin += n
-        meta.extra["chunks"] = chunks
+        meta.plan = plan
         return meta
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if "chunks" not in meta.extra:  # metadata built by the base class: add ours
+        plan = meta.plan
+        if not isinstance(plan, TorchPlan):
             raise ValueError("TorchAttention.forward needs metadata from TorchAttention.prepare")
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        if "decode_rows" in meta.extra:
-            rows = meta.extra["decode_rows"]
-            tables, length = meta.extra["decode_tables"], meta.extra["decode_len"]
+        if plan.decode_rows is not None:
+            rows, tables, length = plan.decode_rows, plan.decode_tables, plan.decode_len
             o = F.scaled_dot_product_attention(
                 q[rows].unsqueeze(2),  # (B, Hq, 1, D)
                 gather_kv(k_cache, tables, length),
                 gather_kv(v_cache, tables, length),
-                attn_mask=meta.extra["decode_mask"],
+                attn_mask=plan.decode_mask,
                 enable_gqa=True,
             )
             out[rows] = o.squeeze(2)
-        for i, begin, n, length, mask in meta.extra["chunks"]:
-            # (1, Hq, n, D): 4-D inputs take torch's flash kernel on the CPU, 3-D ones the slow math path
-            qi = q[begin : begin + n].transpose(0, 1).unsqueeze(0)
-            if mask is None:
-                # the first chunk of a prompt sees only itself: no cache read
-                ki = k[begin : begin + n].transpose(0, 1).unsqueeze(0)
-                vi = v[begin : begin + n].transpose(0, 1).unsqueeze(0)
-            else:
-                table = meta.block_tables[i : i + 1]
-                ki, vi = gather_kv(k_cache, table, length), gather_kv(v_cache, table, length)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None,
-                                                enable_gqa=True)
-            out[begin : begin + n] = oi[0].transpose(0, 1)
+        for i, begin, n, length, mask in plan.chunks:
+            out[begin:begin + n] = attend_sequence(q, k, v, k_cache, v_cache, meta.block_tables[i:i + 1],
+                                                   begin, n, length, mask)
         return out
