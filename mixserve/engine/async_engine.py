@@ -265,7 +265,7 @@ class AsyncEngine:
             if tracked is None:
                 continue  # aborted while this step ran
             tracked.record_tokens(len(update.new_token_ids), now, self.metrics)
-            if update.finished:
+            if update.request_done:
                 del self._live[update.request_id]
                 self._num_live = len(self._live)
                 if self.metrics is not None:

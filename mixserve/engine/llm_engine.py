@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 import torch
 
@@ -17,15 +15,16 @@ from mixserve.core import (
     ScheduleOutput,
     Scheduler,
     SchedulerConfig,
-    SchedulerStats,
     WholePrompt,
     plan,
 )
+from mixserve.engine.choices import Choices
 from mixserve.engine.outputs import RequestUpdate, TokenLogprobs
 from mixserve.engine.request_state import RequestState
 from mixserve.engine.sampling_params import SamplingParams
-from mixserve.engine.stats_log import StatsLog
+from mixserve.engine.stats_log import EngineStats, StatsLog
 from mixserve.engine.step_cost import StepCost
+from mixserve.engine.step_trace import StepTrace
 from mixserve.engine.structured import Grammars, StepMasks
 from mixserve.engine.threads import bind_threads, bound_while_loading, set_threads
 from mixserve.runner.sampler import Sampler
@@ -37,37 +36,6 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Scheduler state plus the engine's counters (totals since start, and the last step's share)."""
-
-    scheduler: SchedulerStats
-    num_steps: int
-    num_prompt_tokens_total: int  # prompt tokens of requests that got their first token
-    num_generation_tokens_total: int
-    num_preemptions_total: int
-    step_prompt_tokens: int
-    step_generation_tokens: int
-    step_preemptions: int
-    step_duration_s: float
-
-    @property
-    def num_requests_running(self) -> int:
-        return self.scheduler.num_requests_running
-
-    @property
-    def num_requests_waiting(self) -> int:
-        return self.scheduler.num_requests_waiting
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return self.scheduler.kv_cache_usage
-
-    @property
-    def step_tokens(self) -> int:
-        return self.scheduler.step_tokens
 
 
 class LLMEngine:
@@ -110,10 +78,10 @@ class LLMEngine:
         self.step_cost = StepCost(cfg, runner, self.scheduler, self.num_blocks)
         self._cost_fields: dict = {}  # the last step's prediction, for its trace line
         self._requests: dict[str, RequestState] = {}
-        self._trace: IO[str] | None = open(cfg.step_trace, "a", encoding="utf-8") if cfg.step_trace else None
+        self.choices = Choices()  # requests with n > 1
+        self._trace: StepTrace | None = StepTrace(cfg.step_trace) if cfg.step_trace else None
         self._num_steps = 0
         self._prompt_tokens = self._generation_tokens = 0
-        self._step = (0, 0, 0, 0.0)  # prompt tokens, generation tokens, preemptions, duration
         self._stats_log = StatsLog()
 
     @classmethod
@@ -186,6 +154,7 @@ class LLMEngine:
         self.validate(ids, params)
         if request_id in self._requests:
             raise RequestError(f"request_id: {request_id!r} is already in use", "request_id")
+        params = self.choices.add(request_id, ids, params, arrival)  # n > 1: choice 0 now, the rest later
         self.scheduler.add_request(request_id, ids, params.max_tokens)
         self._requests[request_id] = RequestState(
             request_id, ids, params, self.tokenizer, self.eos_token_ids,
@@ -195,9 +164,11 @@ class LLMEngine:
             self._requests[request_id].grammar = self.grammars.matcher(params.structured_output, request_id)
 
     def abort(self, request_id: str) -> None:
-        """Drop a request and free its blocks; unknown or finished ids are ignored."""
+        """Drop a request (every choice of it) and free its blocks; unknown or finished ids are ignored."""
         if self._requests.pop(request_id, None) is not None:
             self.scheduler.abort(request_id)
+        for child in self.choices.abort(request_id):
+            self.abort(child)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -219,6 +190,7 @@ class LLMEngine:
         sampled = self._sample(logits, step_plan.sample, masks)
         finished = self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
         updates, prompt_tokens = self._postprocess(sampled, set(finished))
+        updates = self.choices.after_step(self, updates)
         return self._end_step(start, wall, out, len(step_plan.batch.seqs), prompt_tokens, updates)
 
     def _sample(
@@ -270,9 +242,9 @@ class LLMEngine:
         self._num_steps += 1
         self._prompt_tokens += prompt_tokens
         self._generation_tokens += len(updates)
-        self._step = (prompt_tokens, len(updates), len(out.preempted), duration)
         if self._trace is not None:
-            self._write_trace(wall, out.decodes, out.num_tokens, num_seqs, duration)
+            self._trace.write(self._num_steps, wall, len(out.decodes), out.num_tokens, num_seqs, duration,
+                              self._cost_fields)
         self._stats_log.maybe_log(self.stats)
         return updates
 
@@ -284,10 +256,6 @@ class LLMEngine:
             num_prompt_tokens_total=self._prompt_tokens,
             num_generation_tokens_total=self._generation_tokens,
             num_preemptions_total=s.num_preemptions,
-            step_prompt_tokens=self._step[0],
-            step_generation_tokens=self._step[1],
-            step_preemptions=self._step[2],
-            step_duration_s=self._step[3],
         )
 
     def close(self) -> None:
@@ -306,18 +274,4 @@ class LLMEngine:
             self._bound_thread = ident
             if self.num_threads:
                 bind_threads(self.num_threads)
-
-    def _write_trace(self, wall: float, decodes: list, num_tokens: int, num_seqs: int, dur: float) -> None:
-        assert self._trace is not None
-        line = {
-            "step": self._num_steps,
-            "time": wall,
-            "decode_tokens": len(decodes),
-            "prefill_tokens": num_tokens - len(decodes),
-            "num_seqs": num_seqs,
-            "duration_s": dur,
-            **self._cost_fields,
-        }
-        self._trace.write(json.dumps(line) + "\n")
-        self._trace.flush()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,13 @@ class RequestOutput:
     finish_reason: str | None  # "length" (max_tokens reached) | "stop" (EOS, stop token or stop string)
     metrics: RequestMetrics
     logprobs: list[TokenLogprobs] | None = None
+    index: int = 0  # which choice of its request this is (SamplingParams.n)
+    other_choices: tuple[RequestOutput, ...] = field(default=(), repr=False)
+
+    @property
+    def choices(self) -> list[RequestOutput]:
+        """Every choice of the request, in index order; this output is choice 0 (n = 1: just itself)."""
+        return [self, *self.other_choices]
 
 
 @dataclass(frozen=True)
@@ -60,3 +67,9 @@ class RequestUpdate:
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None
     output: RequestOutput | None
+    index: int = 0  # the choice this delta belongs to (SamplingParams.n > 1)
+    request_done: bool | None = None  # every choice has finished; None: the same as `finished`
+
+    def __post_init__(self) -> None:
+        if self.request_done is None:
+            object.__setattr__(self, "request_done", self.finished)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from mixserve.runner.sampler import GREEDY_BELOW
 
 MAX_LOGPROBS = 20  # what OpenAI's API allows for top_logprobs
+MAX_CHOICES = 128  # OpenAI's limit on n
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice")
@@ -56,6 +57,7 @@ class SamplingParams:
     multiplies a negative one; `logit_bias` adds its value to a token's logit; `min_tokens` hides EOS and
     the stop tokens until that many tokens are out. `structured_output` constrains every token to a
     grammar; a grammar that has ended ends the request, whatever `ignore_eos` or `min_tokens` say.
+    `n` choices share the prompt: choice i samples with seed + i (engine/choices.py).
     """
 
     max_tokens: int = 16
@@ -74,6 +76,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = None
     min_tokens: int = 0
     structured_output: StructuredOutput | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -108,6 +111,7 @@ class SamplingParams:
             _check_int("logit_bias", token, low=0)
             _check_float("logit_bias", value, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
         _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
+        _check_int("n", self.n, low=1, high=MAX_CHOICES)
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise ValueError(f"structured_output: expected StructuredOutput, got {self.structured_output!r}")
         # a tuple of (token, bias) pairs: hashable, as a frozen dataclass should be

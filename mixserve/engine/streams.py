@@ -103,7 +103,7 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
-        self.finished = bool(item.finished)
+        self.finished = bool(item.request_done)  # every choice has finished (n > 1: the last of them)
         return item
 
     def close(self) -> None:

@@ -185,6 +185,6 @@ async def _generate(state: ServerState, request: Request, body: Any, ids: list[i
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = include_usage and body.stream_options.continuous_usage_stats  # as vLLM: needs both
         events = stream_events(stream, fmt, len(ids), include_usage=include_usage,
-                               want_logprobs=want_logprobs, continuous_usage=continuous)
+                               want_logprobs=want_logprobs, continuous_usage=continuous, num_choices=params.n)
         return EngineStreamResponse(stream, events)
-    return await collect(stream, request, fmt, len(ids), want_logprobs=want_logprobs)
+    return await collect(stream, request, fmt, len(ids), want_logprobs=want_logprobs, num_choices=params.n)

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mixserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from mixserve.server.errors import error_body, error_response
-from mixserve.server.openai_format import DONE, Formatter, TokenLogprob, Usage, sse, token_logprobs
+from mixserve.server.openai_format import DONE, Choice, Formatter, Usage, sse, token_logprobs
 
 
 def _failure(exc: Exception) -> tuple[int, str]:
@@ -40,16 +40,17 @@ class EngineStreamResponse(StreamingResponse):
 
 
 async def stream_events(stream: RequestStream, fmt: Formatter, num_prompt_tokens: int, *,
-                        include_usage: bool, want_logprobs: bool,
-                        continuous_usage: bool = False) -> AsyncIterator[str]:
+                        include_usage: bool, want_logprobs: bool, continuous_usage: bool = False,
+                        num_choices: int = 1) -> AsyncIterator[str]:
     """SSE lines `data: {...}` ending `data: [DONE]`; an error mid-stream is an error event, then [DONE].
     `continuous_usage`: every chunk carries the usage so far (vLLM's `continuous_usage_stats`).
 
     When the client disconnects this generator is cancelled; EngineStreamResponse closes the stream.
     """
-    usage = Usage(num_prompt_tokens)
+    usage = Usage(num_prompt_tokens)  # the prompt counts once, however many choices share it
     if fmt.chat:
-        yield sse(fmt.role_chunk(usage if continuous_usage else None))
+        for index in range(num_choices):
+            yield sse(fmt.role_chunk(usage if continuous_usage else None, index))
     try:
         async for update in stream:
             usage.completion_tokens += len(update.new_token_ids)
@@ -58,7 +59,8 @@ async def stream_events(stream: RequestStream, fmt: Formatter, num_prompt_tokens
             # one chunk per step that made a token, even if its text is held back (an unfinished UTF-8
             # character, a possible stop string): clients time tokens by chunks
             if update.new_token_ids or update.new_text or finish is not None:
-                yield sse(fmt.delta_chunk(update.new_text, finish, lp, usage if continuous_usage else None))
+                yield sse(fmt.delta_chunk(update.new_text, finish, lp, usage if continuous_usage else None,
+                                          update.index))
     except (EngineDeadError, RequestFailedError) as exc:
         status, message = _failure(exc)
         yield sse(error_body(status, message))
@@ -76,25 +78,25 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def _collect(stream: RequestStream, fmt: Formatter, num_prompt_tokens: int, *,
-                   want_logprobs: bool) -> dict[str, Any]:
-    usage = Usage(num_prompt_tokens)
-    texts: list[str] = []
-    logprobs: list[TokenLogprob] = []
-    finish = None
+                   want_logprobs: bool, num_choices: int) -> dict[str, Any]:
+    usage = Usage(num_prompt_tokens)  # the prompt counts once; completion tokens of every choice add up
+    choices = [Choice(logprobs=[] if want_logprobs else None) for _ in range(num_choices)]
     async for update in stream:
         usage.completion_tokens += len(update.new_token_ids)
-        texts.append(update.new_text)
-        if want_logprobs:
-            logprobs.extend(token_logprobs(update))
+        choice = choices[update.index]
+        choice.texts.append(update.new_text)
+        if choice.logprobs is not None:
+            choice.logprobs.extend(token_logprobs(update))
         if update.finished:
-            finish = update.finish_reason
-    return fmt.response("".join(texts), finish, usage, logprobs if want_logprobs else None)
+            choice.finish_reason = update.finish_reason
+    return fmt.response(choices, usage)
 
 
 async def collect(stream: RequestStream, request: Request, fmt: Formatter, num_prompt_tokens: int, *,
-                  want_logprobs: bool) -> Response:
+                  want_logprobs: bool, num_choices: int = 1) -> Response:
     """The whole answer as one JSON body, aborting the request if the client disconnects first."""
-    work = asyncio.create_task(_collect(stream, fmt, num_prompt_tokens, want_logprobs=want_logprobs))
+    work = asyncio.create_task(_collect(stream, fmt, num_prompt_tokens, want_logprobs=want_logprobs,
+                                        num_choices=num_choices))
     watch = asyncio.create_task(_wait_for_disconnect(request))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)

@@ -34,6 +34,15 @@ def _best_first(top: dict[int, float]) -> list[tuple[int, float]]:
 
 
 @dataclass
+class Choice:
+    """One choice of an answer as it is collected: its text pieces, logprobs and finish reason."""
+
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
 class Usage:
     """Token counts of one request."""
 
@@ -54,7 +63,7 @@ class Formatter:
         self.chat = chat
         self.tokenizer = tokenizer
         self.created = int(time.time())
-        self.text_offset = 0
+        self.text_offsets: dict[int, int] = {}  # per choice: where its next token's text begins
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -63,7 +72,7 @@ class Formatter:
         text = self._token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    def logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+    def logprobs(self, entries: list[TokenLogprob], index: int = 0) -> dict[str, Any] | None:
         """OpenAI's logprobs object: chat `{"content": [...]}`, completions the four parallel lists."""
         if self.chat:
             content = []
@@ -78,24 +87,26 @@ class Formatter:
             tokens.append(text)
             token_logprobs.append(e.logprob)
             top_logprobs.append({self._token_text(k): v for k, v in _best_first(e.top)})
-            offsets.append(self.text_offset)
-            self.text_offset += len(text)
+            offsets.append(self.text_offsets.get(index, 0))
+            self.text_offsets[index] = offsets[-1] + len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
     # -- whole answers
-    def response(self, text: str, finish_reason: str | None, usage: Usage,
-                 logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
-        lp = self.logprobs(logprobs) if logprobs is not None else None
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                      "finish_reason": finish_reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
-            obj = "text_completion"
+    def response(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
+        """The whole answer: one entry per choice, in index order."""
+        bodies = []
+        for i, c in enumerate(choices):
+            lp = self.logprobs(c.logprobs, i) if c.logprobs is not None else None
+            if self.chat:
+                bodies.append({"index": i, "message": {"role": "assistant", "content": "".join(c.texts)},
+                               "logprobs": lp, "finish_reason": c.finish_reason})
+            else:
+                bodies.append({"index": i, "text": "".join(c.texts), "logprobs": lp,
+                               "finish_reason": c.finish_reason})
+        obj = "chat.completion" if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": usage.body()}
+                "choices": bodies, "usage": usage.body()}
 
     # -- stream chunks
     def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
@@ -106,20 +117,20 @@ class Formatter:
             body["usage"] = usage.body()
         return body
 
-    def role_chunk(self, usage: Usage | None = None) -> dict[str, Any]:
-        """Chat streams open with the assistant's role."""
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+    def role_chunk(self, usage: Usage | None = None, index: int = 0) -> dict[str, Any]:
+        """Chat streams open each choice with the assistant's role."""
+        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}], usage)
 
     def delta_chunk(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None,
-                    usage: Usage | None = None) -> dict[str, Any]:
-        """One step's text; `usage` (the counts so far) with `continuous_usage_stats`."""
-        lp = self.logprobs(logprobs) if logprobs is not None else None
+                    usage: Usage | None = None, index: int = 0) -> dict[str, Any]:
+        """One step's text of choice `index`; `usage` (the counts so far) with `continuous_usage_stats`."""
+        lp = self.logprobs(logprobs, index) if logprobs is not None else None
         if self.chat:
             delta = {} if finish_reason is not None and not text else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
         return self._chunk([choice], usage)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:

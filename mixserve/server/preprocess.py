@@ -76,12 +76,15 @@ async def chat_prompt(llm: Any, req: ChatCompletionRequest) -> list[int]:
 
 
 # (field, the value that means "off"): known OpenAI fields this server does not implement
-_UNSUPPORTED = (("best_of", 1), ("suffix", ""), ("tools", []))
+_UNSUPPORTED = (("suffix", ""), ("tools", []))
 
 
 def refuse_unsupported(req: SamplingFields) -> None:
     """A 400 naming the first OpenAI parameter we know and do not implement; a log line for the fields
     nobody knows (ignored, as vLLM does)."""
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, f"best_of is supported only equal to n ({req.n}), got {req.best_of}.",
+                       param="best_of")
     for name, off in _UNSUPPORTED:
         value = getattr(req, name, None)
         if value is not None and value != off:
@@ -101,14 +104,12 @@ def sampling_params(llm: Any, req: SamplingFields, prompt_len: int, *, max_token
     """Build the engine's SamplingParams; its ValueError (naming the field) becomes a 400."""
     from mixserve.engine.sampling_params import SamplingParams
 
-    if req.n != 1:
-        raise APIError(400, "Only n = 1 is supported.", param="n")
     if max_tokens is None:
         # default: what is left of the context, so a chat answer is never cut by a guess
         room = context_limit(llm) - prompt_len
         max_tokens = default_max_tokens if default_max_tokens is not None else max(room, 1)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    fields: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos}
+    fields: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "n": req.n}
     if req.temperature is not None:
         fields["temperature"] = req.temperature
     if req.top_p is not None:

@@ -49,7 +49,7 @@ class SamplingFields(BaseModel):
     stream: Annotated[bool, Strict()] = False
     stream_options: StreamOptions | None = None
     ignore_eos: Annotated[bool, Strict()] = False
-    n: Int = Field(1, ge=1, description="Only 1 is supported.")
+    n: Int = Field(1, ge=1, le=128, description="Choices sharing the prompt; choice i samples with seed + i.")
     user: str | None = None
     presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
@@ -63,7 +63,7 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = Field(None, description="vLLM's: a regular expression to follow.")
     guided_choice: list[str] | None = Field(None, description="vLLM's: answer exactly one of these.")
     # OpenAI fields not implemented: accepted by the schema so that the answer is a 400 naming them
-    best_of: Int | None = Field(None, ge=1, description="Only 1 is supported.")
+    best_of: Int | None = Field(None, ge=1, description="Only equal to n is supported.")
 
 
 class CompletionRequest(SamplingFields):

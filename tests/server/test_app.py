@@ -112,7 +112,7 @@ def test_stream_sends_a_chunk_per_token_even_while_text_is_held_back(fake: FakeE
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 1000}, 400, "max_tokens"),  # over the fake's 128
     ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
     ("/v1/completions", {"prompt": [1, 99]}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),

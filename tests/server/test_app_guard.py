@@ -79,7 +79,7 @@ def test_metrics_is_documented_as_text(client: TestClient):
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("n", 2), ("best_of", 2), ("suffix", "!"), ("response_format", {"type": "xml"}),
+    ("n", 129), ("best_of", 2), ("suffix", "!"), ("response_format", {"type": "xml"}),
     ("response_format", {"type": "json_schema"}), ("logit_bias", {"the": 1.0}), ("presence_penalty", 2.5)])
 def test_known_but_unimplemented_or_bad_parameters_are_a_400_naming_them(client: TestClient, field, value):
     r = client.post("/v1/completions", json={**BODY, field: value})

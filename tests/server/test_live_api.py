@@ -77,3 +77,38 @@ def test_served_model_names_are_aliases(tiny_model_dir, tmp_path):
             client.completions.create(model=tiny_model_dir.name, prompt="hi", max_tokens=2)
     finally:
         server.stop()
+
+
+def test_n_greedy_choices_are_identical_and_the_prompt_counts_once(client: openai.OpenAI, model: str):
+    one = client.completions.create(model=model, prompt="same", max_tokens=6, temperature=0)
+    three = client.completions.create(model=model, prompt="same", max_tokens=6, temperature=0, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert [c.text for c in three.choices] == [one.choices[0].text] * 3
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+
+
+def test_n_sampled_choices_with_a_seed_differ_and_repeat(client: openai.OpenAI, model: str):
+    def run() -> list[str]:
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=12, temperature=1.0, seed=11, n=3)
+        return [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
+
+    first = run()
+    assert first == run() and len(set(first)) == 3
+
+
+def test_n_streams_every_choice_with_its_index(client: openai.OpenAI, model: str):
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "go"}],
+                                            max_tokens=5, temperature=0, n=2, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    texts, finishes, usage = {0: "", 1: ""}, {}, None
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+        usage = chunk.usage or usage
+    assert texts[0] == texts[1] and finishes == {0: "length", 1: "length"}
+    assert usage.completion_tokens == 10

@@ -38,7 +38,7 @@ BAD_INPUTS = [
     (COMPLETIONS, {"prompt": "hi", "top_k": -7}, 400, "top_k"),
     (COMPLETIONS, {"prompt": "hi", "min_p": 3}, 400, "min_p"),
     (COMPLETIONS, {"prompt": "hi", "seed": 2**70}, 400, "seed"),
-    (COMPLETIONS, {"prompt": "hi", "n": 2}, 400, "n"),
+    (COMPLETIONS, {"prompt": "hi", "n": 0}, 400, "n"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
     (COMPLETIONS, {"prompt": "hi", "stop": [""]}, 400, "stop"),
     (COMPLETIONS, {"prompt": "hi", "model": "no-such-model"}, 404, "model"),
