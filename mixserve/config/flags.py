@@ -27,6 +27,8 @@ ENGINE_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "--max-num-seqs": ("max_num_seqs", int),
     "--block-size": ("block_size", int),
     "--num-blocks": ("num_blocks", int),
+    "--cpu-kv-cache-gib": ("cpu_kv_cache_gib", float),
+    "--gpu-memory-utilization": ("gpu_memory_utilization", float),
     "--max-model-len": ("max_model_len", int),
     "--enable-prefix-caching": ("enable_prefix_caching", on_off),
     "--step-trace": ("step_trace", str),
