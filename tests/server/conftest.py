@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 START_DEADLINE_S = 120.0
@@ -90,6 +91,17 @@ def live_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def client(live_server: LiveServer) -> openai.OpenAI:
+    """The official openai client on the shared live server (modules may define their own `client`)."""
+    return openai.OpenAI(base_url=f"{live_server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
 
 
 def wait_until(condition, what: str, deadline_s: float = 30.0, every_s: float = 0.05) -> None:

@@ -7,19 +7,9 @@ import openai
 import pytest
 
 from mixserve.model.tokenizer import load_tokenizer
-from tests.server.conftest import LiveServer, start_server
+from tests.server.conftest import start_server
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-def client(live_server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{live_server.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 def _greedy(client: openai.OpenAI, model: str, **extra) -> openai.types.Completion:

@@ -13,16 +13,6 @@ from tests.server.conftest import LiveServer
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture
-def client(live_server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{live_server.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 def test_models_lists_the_served_model(client: openai.OpenAI, tiny_model_dir):
     assert [m.id for m in client.models.list().data] == [tiny_model_dir.name]
 
