@@ -158,8 +158,9 @@ def plot_frontier(rows: Sequence[dict], path: str | Path, stall_threshold: float
     ax.axvline(stall_threshold * 1000, color="black", ls="--", lw=1, label=f"stall ({stall_threshold} s)")
     ax.set(xscale="log", xlabel="short requests' worst gap between two tokens (ms, log scale)",
            ylabel="long prompts' TTFT p50 (s)", title="the stall / long-prompt TTFT frontier")
+    ax.margins(x=0.25, y=0.1)  # room for the labels, which run right of their points
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="lower right")
     return _save(fig, path)
 
 
