@@ -1,4 +1,4 @@
-"""The whole CUDA path — flex backend, fused model, every Triton kernel (the varlen kernel for mixed steps,
+"""The whole CUDA path — the gpu attention backend (asked for as flex), fused model, every Triton kernel (the varlen kernel for mixed steps,
 flash-decoding for decode-only ones) — run on the CPU through Triton's interpreter, step by step equal to
 the plain PyTorch runner (torch attention, no kernels)."""
 
@@ -16,7 +16,7 @@ from tests.kernels.test_fused_ops import _two_mixed_steps
 
 
 def _steps() -> list[ForwardBatch]:
-    """Two mixed steps, then a decode-only step (the flex backend's Triton decode branch)."""
+    """Two mixed steps, then a decode-only step (the gpu backend's Triton decode part)."""
     decodes = ForwardBatch([ForwardSeq("a", [31], 7, [7, 2]), ForwardSeq("b", [32], 9, [0, 5, 9]),
                             ForwardSeq("c", [33], 3, [4])])
     return [*_two_mixed_steps(), decodes]
