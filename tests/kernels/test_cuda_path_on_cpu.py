@@ -1,6 +1,6 @@
-"""The whole CUDA path — the gpu attention backend (asked for as flex), fused model, every Triton kernel (the varlen kernel for mixed steps,
-flash-decoding for decode-only ones) — run on the CPU through Triton's interpreter, step by step equal to
-the plain PyTorch runner (torch attention, no kernels)."""
+"""The whole CUDA path — the gpu attention backend (asked for as flex), fused model, every Triton kernel
+(the varlen kernel for mixed steps, flash-decoding for decode-only ones) — run on the CPU through Triton's
+interpreter, step by step equal to the plain PyTorch runner (torch attention, no kernels)."""
 
 from __future__ import annotations
 
