@@ -18,13 +18,14 @@ PAIR_SCALE = 1e6
 # of many decode-only steps then cannot wash out what the rarer big prefill steps taught the fit.
 DEFAULT_WINDOW = 64
 FORMAT = "mixserve-step-cost/1"
-# How fast predictions follow a machine that turns slower (another process taking cores): an exponential
-# average of the measured / predicted ratio of the last steps scales every prediction the budget uses,
-# when above 1. The fit alone follows only as fast as its windows, over tens of steps; a stall is one
-# step. Never below 1: on workload M (a shared 2-core machine) decode-only steps ran at 0.6-0.9 of their
-# prediction, and the mixed steps planned right after them with a drift below 1 were the ones that stalled.
-DRIFT_ALPHA = 0.5
-DRIFT_RANGE = (0.5, 3.0)
+# How fast predictions follow a machine that turns slower or faster (another process taking cores): an
+# average of the measured / predicted ratio of the last planned steps (decodes and chunks: the ones the
+# budget sizes) scales every prediction the budget uses. The fit alone follows only as fast as its windows,
+# over tens of steps; a stall is one step. It rises fast and falls slowly: measured on workload M (a shared
+# 2-core machine), decode-only steps ran at 0.6-0.9 of their prediction, and when they counted, the mixed
+# steps planned right after them were the ones that stalled.
+DRIFT_UP, DRIFT_DOWN = 0.5, 0.15
+DRIFT_RANGE = (0.6, 3.0)
 
 
 def attended_pairs(start: int, length: int) -> int:
@@ -143,10 +144,10 @@ class StepCostModel:
         # the last step observed: its time as predicted before it ran (None when nobody asked), as measured
         self.last_predicted_s: float | None = None
         self.last_actual_s: float | None = None
-        self.drift = 1.0  # the recent measured / predicted ratio (DRIFT_ALPHA); used when > 1
+        self.drift = 1.0  # the recent measured / predicted ratio of planned steps (DRIFT_UP, DRIFT_DOWN)
 
-    def observe(self, f: StepFeatures, seconds: float) -> None:
-        """Learn from one step that took `seconds`."""
+    def observe(self, f: StepFeatures, seconds: float, planned: bool = True) -> None:
+        """Learn from one step that took `seconds`; `planned`: it held decodes and chunks (drift)."""
         if f.num_tokens <= 0 or not math.isfinite(seconds) or seconds < 0:
             return
         # the prediction as it stood when the step was planned (known if the fit was read since the last
@@ -155,10 +156,10 @@ class StepCostModel:
         self.last_predicted_s = None
         if fit is not None:
             base = fit.predict(f)
-            self.last_predicted_s = base * max(1.0, self.drift)
-            if base > 0:
+            self.last_predicted_s = base * self.drift
+            if base > 0 and planned:
                 ratio = min(max(seconds / base, DRIFT_RANGE[0]), DRIFT_RANGE[1])
-                self.drift += DRIFT_ALPHA * (ratio - self.drift)
+                self.drift += (DRIFT_UP if ratio > self.drift else DRIFT_DOWN) * (ratio - self.drift)
         self.last_actual_s = seconds
         self._buckets.setdefault(f.num_tokens.bit_length(), _Bucket()).add(_x(f), seconds, self.decay)
         self.num_samples += 1
@@ -178,12 +179,12 @@ class StepCostModel:
     @property
     def budget_coefficients(self) -> CostCoefficients:
         """The fit scaled by the recent drift: what the budget plans with (the file keeps the fit)."""
-        c, d = self.coefficients, max(1.0, self.drift)
+        c, d = self.coefficients, self.drift
         return c if d == 1.0 else CostCoefficients(c.overhead_s * d, c.per_token_s * d, c.per_pair_s * d)
 
     def predict(self, f: StepFeatures) -> float:
         """The time the budget expects a step of `f` to take now (the fit times the drift)."""
-        return self.coefficients.predict(f) * max(1.0, self.drift)
+        return self.coefficients.predict(f) * self.drift
 
     # ---- the JSON file (`mixserve simulate --cost-model`, written by serve on shutdown and --profile) --
 

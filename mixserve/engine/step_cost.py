@@ -63,7 +63,7 @@ def profile(runner: Any, model: StepCostModel, block_ids: list[int], max_batch_t
         f = step_features(seqs)
         # the first forward of a shape is not timed: kernels pick and pack per shape (oneDNN), which the
         # engine pays once per shape, not per step; of the others the fastest counts, as a busy machine
-        # only adds time (the drift then scales predictions up while it lasts)
+        # only adds time (the drift then scales predictions while it lasts)
         times = []
         for _ in range(PROFILE_REPEATS + 1):
             if time.monotonic() > deadline:
@@ -96,6 +96,7 @@ class StepCost:
         self.target_s = cfg.tpot_target_ms / 1000.0
         self._features = StepFeatures()
         self._predicted: float | None = None
+        self._planned = False
         self.profiled = 0
         if self.target_s > 0:
             if self.model.num_samples == 0:
@@ -110,11 +111,14 @@ class StepCost:
     def begin(self, batch: ForwardBatch) -> None:
         """The step about to run: its features, and (target on) its predicted time."""
         self._features = step_features((s.start, len(s.tokens)) for s in batch.seqs)
+        # a step the budget sized: decodes (one token) beside a chunk (a one-token chunk counts as a decode)
+        lengths = {len(s.tokens) == 1 for s in batch.seqs}
+        self._planned = lengths == {True, False}
         self._predicted = self.model.predict(self._features) if self.target_s > 0 else None
 
     def end(self, duration_s: float) -> dict:
         """Learn from the step that just ran; returns the step trace's cost fields."""
-        self.model.observe(self._features, duration_s)
+        self.model.observe(self._features, duration_s, planned=self._planned)
         if self._predicted is None:
             return {}
         return {"predicted_s": self._predicted, "cost_model": self.model.coefficients.as_list(),
