@@ -22,22 +22,27 @@ PROFILE_REPEATS = 3
 
 def profile_shapes(max_batch_tokens: int, max_num_seqs: int,
                    max_len: int) -> list[tuple[list[tuple[int, int]], str]]:
-    """The steps the profile times, cheapest first: (start, length) per sequence, and a name.
+    """The steps the profile times: (start, length) per sequence, and a name.
 
-    Decode-only steps at two context lengths, prefill chunks up to the budget, and chunks beside decodes:
-    spread over tokens and attended pairs, so all three coefficients are determined.
+    Decode-only steps, prefill chunks at two starts, and chunks beside decodes, spread over tokens and
+    attended pairs. Ordered so that any prefix already spans all three coefficients: on a busy machine the
+    time bound may stop it after a few (an early profile of small shapes only, under load, once fit
+    0.5 ms per attended pair, a thousand times too much).
     """
-    shapes: list[tuple[list[tuple[int, int]], str]] = []
-    for n in sorted({1, min(8, max_num_seqs), min(32, max_num_seqs)}):
-        for ctx in (64, 512):
-            shapes.append(([(ctx - 1, 1)] * n, f"{n} decodes at {ctx}"))
-    for t in (16, 64, 128, 256, 512, 1024, 2048):
-        if t <= max_batch_tokens:
-            shapes.append(([(0, t)], f"chunk {t} at 0"))
-            shapes.append(([(1024, t)], f"chunk {t} at 1024"))
-            if t + 16 <= max_batch_tokens and max_num_seqs > 16:
-                shapes.append(([(255, 1)] * 16 + [(0, t)], f"16 decodes + chunk {t}"))
-    return [(seqs, name) for seqs, name in shapes if max(start + n for start, n in seqs) <= max_len]
+    decodes = min(16, max_num_seqs - 1)
+    rounds = [
+        (1, [(63, 1)]), (128, [(0, 128)]), (128, [(1024, 128)]), (8, [(511, 1)] * 8),
+        (512, [(0, 512)]), (128 + decodes, [(255, 1)] * decodes + [(0, 128)]), (32, [(63, 1)] * 32),
+        (512, [(1024, 512)]), (32, [(0, 32)]), (1024, [(0, 1024)]), (32, [(511, 1)] * 32),
+        (512 + decodes, [(255, 1)] * decodes + [(512, 512)]), (2048, [(0, 2048)]), (256, [(0, 256)]),
+        (256, [(1024, 256)]), (8, [(63, 1)] * 8), (64, [(0, 64)]), (1024, [(1024, 1024)]),
+    ]
+    shapes = []
+    for tokens, seqs in rounds:
+        if tokens <= max_batch_tokens and len(seqs) <= max_num_seqs and seqs and \
+                max(start + n for start, n in seqs) <= max_len:
+            shapes.append((seqs, " + ".join(sorted({f"{seqs.count(x)} x {x[1]} at {x[0]}" for x in seqs}))))
+    return shapes
 
 
 def profile(runner: Any, model: StepCostModel, block_ids: list[int], max_batch_tokens: int,
