@@ -40,6 +40,7 @@ ENGINE_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "--attention-backend": ("attention_backend", str),
     "--cuda-graphs": ("cuda_graphs", on_off),
     "--threads": ("threads", int),
+    "--tensor-parallel-size": ("tensor_parallel_size", int),
     "--device": ("device", str),
     "--dtype": ("dtype", str),
     "--seed": ("seed", int),

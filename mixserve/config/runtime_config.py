@@ -28,6 +28,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     cuda_graphs: bool = True
     threads: int = 0
+    tensor_parallel_size: int = 1
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"

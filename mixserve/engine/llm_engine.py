@@ -26,7 +26,7 @@ from mixserve.engine.stats_log import EngineStats, StatsLog
 from mixserve.engine.step_cost import StepCost
 from mixserve.engine.step_trace import StepTrace
 from mixserve.engine.structured import Grammars, StepMasks
-from mixserve.engine.threads import bind_threads, bound_while_loading, set_threads
+from mixserve.engine.threads import available_cores, bind_threads, bound_while_loading, set_threads
 from mixserve.runner.sampler import Sampler
 
 
@@ -90,6 +90,11 @@ class LLMEngine:
         from mixserve.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 
         device = resolve_device(cfg.device)
+        if cfg.tensor_parallel_size > 1:  # ranks 1..N-1 are spawned, this process is rank 0 (distributed/)
+            from mixserve.distributed.tp_runner import start_tensor_parallel
+
+            runner, cfg = start_tensor_parallel(cfg, device.type, available_cores())
+            return cls(runner, cfg)
         # bound while loading (its parallel work runs one thread per core), then this thread is let go:
         # it may go on to run the server's event loop, which must stay off the compute core (threads.py)
         loading = bound_while_loading(set_threads(cfg.threads)) if device.type == "cpu" else nullcontext()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,15 @@ class HeadWeight:
     lm_head: Any
 
 
+class ShardHooks(Protocol):
+    """The collectives a tensor-parallel shard adds to the forward (mixserve/distributed/group.py); a model
+    without them (tp None, the default) is whole and runs as before."""
+
+    def all_reduce(self, x: Tensor) -> Tensor: ...
+    def embed(self, input_ids: Tensor, weight: Tensor) -> Tensor: ...
+    def gather_logits(self, logits: Tensor) -> Tensor: ...
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP, each with a residual; weights fused at load time."""
 
@@ -59,6 +68,7 @@ class DecoderLayer(nn.Module):
         self.post_norm = _param(h, dtype=dtype, device=device)
         self.gate_up = _param(2 * cfg.intermediate_size, h, dtype=dtype, device=device)
         self.down = _param(h, cfg.intermediate_size, dtype=dtype, device=device)
+        self.tp: ShardHooks | None = None  # set by mixserve.distributed: o_proj and down all-reduce
         self.prepare(torch_ops())  # the parameters themselves, until the runner hands over its ops
 
     def prepare(self, ops: LayerOps) -> None:
@@ -85,8 +95,11 @@ class DecoderLayer(nn.Module):
         q, k = ops.rotary(qk, self.num_heads, rot)
         o = attn.forward(q, k, v, k_cache, v_cache, meta)
         hidden = ops.linear(o.reshape(t, self.q_size), w.o_proj, None)
+        if self.tp is not None:  # row-parallel o_proj: each rank holds a partial sum
+            hidden = self.tp.all_reduce(hidden)
         x, residual = ops.add_rms_norm(hidden, residual, self.post_norm, self.eps)
-        return ops.linear(ops.silu_and_mul(ops.linear(x, w.gate_up, None)), w.down, None), residual
+        out = ops.linear(ops.silu_and_mul(ops.linear(x, w.gate_up, None)), w.down, None)
+        return (out if self.tp is None else self.tp.all_reduce(out)), residual
 
 
 class LlamaModel(nn.Module):
@@ -103,6 +116,7 @@ class LlamaModel(nn.Module):
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
         )
         self.rotary = RotaryTable(cfg, device, dtype)
+        self.tp: ShardHooks | None = None  # set by mixserve.distributed: vocabulary-split embed and head
         self.prepare(torch_ops())
 
     def prepare(self, ops: LayerOps) -> None:
@@ -127,7 +141,8 @@ class LlamaModel(nn.Module):
         ops = self.ops
         if ops.triton and not kernels.enabled():  # kernels.set_enabled(False) after start-up: eager ops
             ops = torch_ops()
-        hidden = F.embedding(input_ids, self.embed)
+        tp = self.tp
+        hidden = F.embedding(input_ids, self.embed) if tp is None else tp.embed(input_ids, self.embed)
         rot = ops.rotary_state(self.rotary, meta.positions)
         residual: Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
@@ -139,7 +154,8 @@ class LlamaModel(nn.Module):
         else:
             hidden = ops.add_rms_norm(hidden[last], residual[last], self.norm, eps)[0]
         lm_head = self.head.lm_head if ops is self.ops else self.lm_head
-        return ops.linear(hidden, lm_head, None).float()
+        logits = ops.linear(hidden, lm_head, None)
+        return (logits if self.tp is None else self.tp.gather_logits(logits)).float()
 
     @torch.no_grad()
     def load_hf_weights(self, sd: Mapping[str, torch.Tensor], where: str, inv_freq=None) -> None:
