@@ -189,9 +189,9 @@ class LLMEngine:
             return []
         step_plan = plan(self.scheduler, out)
         self.step_cost.begin(step_plan.batch)
-        # the grammar rows' bitmask: None when no sampled row is constrained (then no work at all)
-        masks = self.grammars.begin([self._requests[rid].grammar for _, rid in step_plan.sample])
         logits = self.runner.forward(step_plan.batch)
+        # grammar masks, filled while a GPU still computes the logits; None if no row has a grammar
+        masks = self.grammars.masks([self._requests[rid].grammar for _, rid in step_plan.sample])
         sampled = self._sample(logits, step_plan.sample, masks)
         finished = self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
         updates, prompt_tokens = self._postprocess(sampled, set(finished))

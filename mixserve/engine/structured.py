@@ -16,7 +16,6 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -54,32 +53,34 @@ class RequestGrammar:
 
 
 class StepMasks:
-    """The bitmask of one step's sampled rows, filled while the forward runs (`overlap`) or at once."""
+    """The bitmask of one step's sampled rows; `indices`: the rows whose mask allows less than all."""
 
-    def __init__(self, bitmask: torch.Tensor, fill: Future | None, indices: list[int] | None) -> None:
+    def __init__(self, bitmask: torch.Tensor, indices: list[int]) -> None:
         self.bitmask = bitmask
-        self._fill = fill
-        self._indices = indices
+        self.indices = indices
 
     def apply(self, logits: torch.Tensor) -> None:
         """Set the disallowed tokens of the constrained rows of `logits` (one row per sampled row) to
         -inf, in place; the other rows are not touched."""
         import xgrammar as xgr
 
-        indices = self._fill.result() if self._fill is not None else self._indices
-        if not indices:
+        if not self.indices:
             return  # every constrained row allows every token this step
         bitmask = self.bitmask.to(logits.device)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=indices)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=self.indices)
 
 
 class Grammars:
     """The engine's grammar compiler (built on first use from its tokenizer), its compiled-grammar cache
-    and the per-step mask. `overlap` fills the bitmask on a worker thread while the forward runs
-    (xgrammar releases the GIL while it fills)."""
+    and the per-step mask.
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int],
-                 overlap: bool = False) -> None:
+    The step fills the bitmask after `runner.forward` returns and before the logits are read: on a GPU the
+    forward is still running then, so the fill overlaps it for free. On a CPU the forward is synchronous;
+    filling on a worker thread meanwhile (xgrammar releases the GIL) was measured and dropped: a fill takes
+    about 20 us per row, less than the hand-off, and the apply (about 150 us per row) needs the logits
+    (README, "Structured output")."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
         self._hf = getattr(tokenizer, "hf", tokenizer)
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's vocabulary)
         self._stop_ids = sorted(stop_token_ids)
@@ -88,7 +89,6 @@ class Grammars:
         self._lock = threading.Lock()
         self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
         self._bitmask: torch.Tensor | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar") if overlap else None
 
     def matcher(self, spec: StructuredOutput, request_id: str) -> RequestGrammar:
         """A fresh matcher for a request; ValueError naming `structured_output` if it cannot compile."""
@@ -127,9 +127,9 @@ class Grammars:
                 self._cache.popitem(last=False)
         return grammar
 
-    def begin(self, grammars: Sequence[RequestGrammar | None]) -> StepMasks | None:
-        """Start the bitmask of one step's sampled rows (row i: grammars[i], None = unconstrained);
-        None when no row is constrained, so a batch without grammars does no work here."""
+    def masks(self, grammars: Sequence[RequestGrammar | None]) -> StepMasks | None:
+        """The bitmask of one step's sampled rows (row i: grammars[i], None = unconstrained); None when
+        no row is constrained, so a batch without grammars does no work here."""
         rows = [i for i, g in enumerate(grammars) if g is not None]
         if not rows:
             return None
@@ -139,17 +139,8 @@ class Grammars:
             self._bitmask = xgr.allocate_token_bitmask(max(len(grammars), 8), self.vocab_size)
         bitmask = self._bitmask[: len(grammars)]
         matchers = [(i, grammars[i].matcher) for i in rows]  # type: ignore[union-attr]
-
-        def fill() -> list[int]:
-            return [i for i, m in matchers if m.fill_next_token_bitmask(bitmask, i)]
-
-        if self._pool is not None:
-            return StepMasks(bitmask, self._pool.submit(fill), None)
-        return StepMasks(bitmask, None, fill())
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        # fill says False where the row allows every token: no need to mask it
+        return StepMasks(bitmask, [i for i, m in matchers if m.fill_next_token_bitmask(bitmask, i)])
 
     def _get_compiler(self) -> Any:
         if self._compiler is None:

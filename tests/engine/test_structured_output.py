@@ -128,11 +128,11 @@ def test_without_xgrammar_only_constrained_requests_are_refused(tiny_runner, mon
 
 def test_the_mask_touches_only_constrained_rows(tiny_runner):
     grammars = Grammars(tiny_runner.tokenizer, tiny_runner.config.vocab_size, [2])
-    assert grammars.begin([None, None]) is None
+    assert grammars.masks([None, None]) is None
     g = grammars.matcher(CHOICE, "r")
     logits = torch.randn(3, tiny_runner.config.vocab_size)
     before = logits.clone()
-    masks = grammars.begin([None, g, None])
+    masks = grammars.masks([None, g, None])
     assert masks is not None
     masks.apply(logits)
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
@@ -147,14 +147,3 @@ def test_the_mask_touches_only_constrained_rows(tiny_runner):
              and any(c.startswith(tiny_runner.tokenizer.decode([i])) for c in CHOICE.choices)]
     assert sorted(first) == sorted(allowed)
 
-
-def test_filling_the_mask_during_the_forward_gives_the_same_tokens(make_llm, tiny_runner):
-    params = [sampled(s, REGEX) for s in range(4)] + [sampled(9, CHOICE)]
-    prompts = [*PROMPTS, PROMPTS[0]]
-    serial = make_llm().generate(prompts, params, use_tqdm=False)
-    llm = make_llm()
-    llm.engine.grammars = Grammars(tiny_runner.tokenizer, tiny_runner.config.vocab_size,
-                                   llm.engine.eos_token_ids, overlap=True)
-    overlapped = llm.generate(prompts, params, use_tqdm=False)
-    llm.engine.grammars.close()
-    assert [o.token_ids for o in overlapped] == [o.token_ids for o in serial]
