@@ -147,3 +147,14 @@ def test_the_mask_touches_only_constrained_rows(tiny_runner):
              and any(c.startswith(tiny_runner.tokenizer.decode([i])) for c in CHOICE.choices)]
     assert sorted(first) == sorted(allowed)
 
+
+
+def test_choices_are_escaped_and_grammars_cached(tiny_runner):
+    grammars = Grammars(tiny_runner.tokenizer, tiny_runner.config.vocab_size, [2])
+    tricky = StructuredOutput("choice", choices=('say "hi"', "back\\slash", "two\nlines", "é ☃", "(a|b)*"))
+    compiled = grammars.compile(tricky)
+    assert grammars.compile(StructuredOutput("choice", choices=tricky.choices)) is compiled
+    for choice in tricky.choices:
+        matcher = grammars.matcher(tricky, "r").matcher
+        assert matcher.accept_string(choice) and matcher.is_completed(), choice
+    assert not grammars.matcher(tricky, "r").matcher.accept_string("ab")  # a regex-looking choice is text
