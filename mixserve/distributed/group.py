@@ -56,13 +56,17 @@ class TensorParallelGroup:
                                              CONTROL_TIMEOUT)
 
     def broadcast(self, obj: Any) -> Any:
-        """Rank 0's `obj` on every rank: its pickle's length, then the bytes, over the control group."""
+        """Rank 0's `obj` on every rank: its pickle's length, then the bytes, over the control group.
+
+        Rank 0 gives up after COLLECTIVE_TIMEOUT (gloo's sender waits for the receiver: a hung rank would
+        hold it for CONTROL_TIMEOUT), the others wait for the next step as long as the group's timeout."""
         data = pickle.dumps(obj) if self.rank == 0 else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        self.control.broadcast(size, 0).wait()
+        timeout = COLLECTIVE_TIMEOUT if self.rank == 0 else None
+        self.control.broadcast(size, 0, timeout).wait()
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else torch.empty(
             int(size.item()), dtype=torch.uint8)
-        self.control.broadcast(buf, 0).wait()
+        self.control.broadcast(buf, 0, timeout).wait()
         return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
 
     def min_int(self, value: int) -> int:
