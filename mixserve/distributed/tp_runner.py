@@ -28,6 +28,13 @@ from mixserve.distributed.worker import Rank, RankSpec, build_rank, worker_main
 START_POLL_S = 0.2
 
 
+class RankFailedError(RuntimeError):
+    """A tensor-parallel rank died or stopped answering. `permanent`: no in-process restart can bring it
+    back, so the server's step loop treats it as death (engine/supervision.py), not as a failed step."""
+
+    permanent = True
+
+
 def rank_cores(cores: list[int], world: int, threads: int) -> tuple[tuple[int, ...], ...]:
     """Per rank, `threads` of `cores` (0: cores / world, at least 1) taken in order, wrapping if too few."""
     per_rank = threads or max(1, len(cores) // world)
@@ -104,11 +111,11 @@ class TensorParallelRunner:
         return getattr(self.__dict__["runner"], name)
 
     def forward(self, batch: ForwardBatch):
-        """The model's logits for `batch`, computed by every rank; RuntimeError if a rank failed."""
+        """The model's logits for `batch`, computed by every rank; RankFailedError if a rank failed."""
         if self._failed is None:
             self._failed = self._ranks.dead()
         if self._failed is not None:
-            raise RuntimeError(self._failed)
+            raise RankFailedError(self._failed)
         self._pin_step_thread()
         try:
             self._rank.group.broadcast(batch)
@@ -116,7 +123,7 @@ class TensorParallelRunner:
         except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection or the timeout passed
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             self._failed = self._ranks.dead() or f"tensor-parallel collective failed: {first}"
-            raise RuntimeError(self._failed) from exc
+            raise RankFailedError(self._failed) from exc
 
     def _pin_step_thread(self) -> None:
         """With one thread per rank, pin the stepping thread to rank 0's core (bind_threads pins >= 2)."""

@@ -199,7 +199,7 @@ class AsyncEngine:
         self._abort_live()
         if self._error is not None:
             return False  # the watchdog declared it dead meanwhile
-        if self.llm.has_unfinished() or not self._restarts.allow():
+        if getattr(exc, "permanent", False) or self.llm.has_unfinished() or not self._restarts.allow():
             self._die(exc)
             return False
         self.num_restarts += 1

@@ -3,7 +3,8 @@
 Decision (issue 13): a step that *raises* fails the requests in flight and the engine is restarted in
 the same process (every request is dropped from the scheduler, so every KV block is free again), up to
 `max_engine_restarts` times in `RESTART_WINDOW_S`; past that, or when a step *hangs* past the watchdog
-(a thread stuck in a kernel cannot be taken back), the engine is dead and `mixserve serve` exits non-zero
+(a thread stuck in a kernel cannot be taken back), or an error marked `permanent` (a dead
+tensor-parallel rank: distributed/tp_runner.py), the engine is dead and `mixserve serve` exits non-zero
 so that a supervisor (systemd, Docker, Kubernetes) starts a fresh process, as vLLM's server does.
 """
 

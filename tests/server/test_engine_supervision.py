@@ -119,3 +119,24 @@ def test_admission_is_atomic_under_a_burst():
         return len(admitted), refused, waiting
 
     assert asyncio.run(main()) == (8, 42, 8)
+
+
+def test_a_permanent_failure_kills_the_engine_without_restarting():
+    class RankGone(RuntimeError):
+        permanent = True  # as distributed.tp_runner.RankFailedError: no restart can mend it
+
+    fake = FakeEngine()
+
+    def broken_step():
+        raise RankGone("rank 1 exited")
+
+    fake.step = broken_step
+
+    async def main():
+        engine = AsyncEngine(fake)
+        result = await asyncio.gather(drain(engine, "r", [0], 3), return_exceptions=True)
+        await engine.stop(1.0)
+        return result[0], engine.healthy, engine.num_restarts
+
+    result, healthy, restarts = asyncio.run(main())
+    assert isinstance(result, EngineDeadError) and not healthy and restarts == 0
