@@ -14,9 +14,10 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mixserve.engine.inbox import Inbox
+from mixserve.engine.served_model import ServedModel
 from mixserve.engine.streams import (
     EngineBusyError,
     EngineDeadError,
@@ -25,7 +26,13 @@ from mixserve.engine.streams import (
     Tracked,
     send_batch,
 )
-from mixserve.engine.supervision import Failpoint, RestartBudget, step_timeout
+from mixserve.engine.supervision import Failpoint, RestartBudget, StepClock
+
+if TYPE_CHECKING:
+    from mixserve.engine.llm_engine import LLMEngine
+    from mixserve.engine.outputs import RequestUpdate
+    from mixserve.engine.sampling_params import SamplingParams
+    from mixserve.metrics import ServerMetrics
 
 __all__ = ["AsyncEngine", "EngineBusyError", "EngineDeadError", "RequestFailedError", "RequestStream"]
 
@@ -39,12 +46,13 @@ def thread_alive(thread: threading.Thread | None) -> bool:
 class AsyncEngine:
     """Serves an `LLMEngine` to asyncio code: `async for update in engine.generate(...)`."""
 
-    def __init__(self, llm_engine: Any, metrics: Any | None = None, idle_timeout: float = 1.0, *,
-                 step_timeout_s: float = 0.0, max_engine_restarts: int = 3,
+    def __init__(self, llm_engine: LLMEngine, metrics: ServerMetrics | None = None, idle_timeout: float = 1.0,
+                 *, step_timeout_s: float = 0.0, max_engine_restarts: int = 3,
                  failpoint: Failpoint | None = None) -> None:
-        self.llm = llm_engine
+        self.llm = llm_engine  # the step thread's alone; the server reads `model`
+        self.model = ServedModel.of(llm_engine)
         self.metrics = metrics
-        self.step_timeout_s = step_timeout_s  # 0: max(60 s, 10x the longest step so far)
+        self.clock = StepClock(step_timeout_s)  # 0: max(60 s, 10x the longest step so far)
         self.on_dead: Callable[[BaseException], None] | None = None  # called once, from any thread
         self.num_restarts = 0
         self._restarts = RestartBudget(max_engine_restarts)
@@ -59,9 +67,6 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._num_live = 0  # requests the step thread tracks (streams still open)
         self._live: dict[str, Tracked] = {}  # owned by the step thread
-        self._num_steps = 0
-        self._longest_step = 0.0
-        self._step_started: float | None = None  # set while a step runs: the watchdog reads it
 
     # -- lifecycle
     @property
@@ -95,7 +100,12 @@ class AsyncEngine:
             self._stop_requested = False
             self._thread = threading.Thread(target=self._run, name="mixserve-step-loop", daemon=True)
             self._thread.start()
-            threading.Thread(target=self._watch, args=(self._thread,), name="mixserve-watchdog",
+            thread = self._thread
+
+            def alive() -> bool:
+                return thread.is_alive() and not self._stop_requested and self._error is None
+
+            threading.Thread(target=self.clock.watch, args=(alive, self._die), name="mixserve-watchdog",
                              daemon=True).start()
 
     async def stop(self, timeout: float = 30.0) -> None:
@@ -120,7 +130,7 @@ class AsyncEngine:
         return self._inbox.num_waiting
 
     # -- requests
-    def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: Any,
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                arrival: float | None = None, *, max_waiting: int | None = None) -> RequestStream:
         """Queue a request now (no await between the check and the queueing, so admission is atomic).
 
@@ -141,8 +151,8 @@ class AsyncEngine:
             self.metrics.waiting.set(self.num_waiting())
         return RequestStream(tracked, self.abort)
 
-    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: Any,
-                       arrival: float | None = None) -> AsyncIterator[Any]:
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                       arrival: float | None = None) -> AsyncIterator[RequestUpdate]:
         """Yield the request's `RequestUpdate`s until it finishes; leaving early (cancel, close) aborts it."""
         stream = self.submit(request_id, prompt_token_ids, params, arrival)
         try:
@@ -180,20 +190,19 @@ class AsyncEngine:
                 self._wake.wait(self._idle_timeout)
                 self._wake.clear()
                 continue
-            self._step_started = started = time.monotonic()
             try:
-                self._failpoint.check(self._num_steps + 1)
+                self._failpoint.check(self.clock.begin())
                 updates = self.llm.step()
-            finally:
-                self._step_started = None
-            self._num_steps += 1
-            self._longest_step = max(self._longest_step, time.monotonic() - started)
+            except BaseException:
+                self.clock.abandon()
+                raise
+            self.clock.end()
             self._dispatch(updates)
             self._observe_stats(stepped=True)
 
     def _restart(self, exc: Exception) -> bool:
         """Fail the requests in flight, drop them from the engine; False (and dead) if that cannot be."""
-        logger.error("engine step %d failed: %r", self._num_steps + 1, exc, exc_info=exc)
+        logger.error("engine step %d failed: %r", self.clock.num_steps + 1, exc, exc_info=exc)
         self._fail(list(self._live.values()), EngineDeadError(f"the engine step failed ({exc!r}); "
                                                               "the engine was restarted, retry the request"))
         self._abort_live()
@@ -220,15 +229,6 @@ class AsyncEngine:
                    EngineDeadError(f"the engine step loop died: {exc!r}"))
         if self.on_dead is not None:
             self.on_dead(exc)
-
-    def _watch(self, thread: threading.Thread) -> None:
-        """Declare the engine dead when a step (not the first: it may compile or warm up) hangs."""
-        while thread.is_alive() and not self._stop_requested and self._error is None:
-            limit = step_timeout(self._longest_step, self.step_timeout_s)
-            time.sleep(min(1.0, limit / 10))
-            started = self._step_started
-            if started is not None and self._num_steps > 0 and time.monotonic() - started > limit:
-                self._die(TimeoutError(f"step {self._num_steps + 1} ran past the watchdog's {limit:.1f} s"))
 
     def _drain_inbox(self) -> bool:
         changed = False
@@ -257,7 +257,7 @@ class AsyncEngine:
         self._num_live = len(self._live)
         self.llm.abort(request_id)
 
-    def _dispatch(self, updates: Sequence[Any]) -> None:
+    def _dispatch(self, updates: Sequence[RequestUpdate]) -> None:
         now = time.monotonic()
         outgoing: list[tuple[Tracked, Any]] = []
         for update in updates:

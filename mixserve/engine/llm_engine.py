@@ -84,6 +84,15 @@ class LLMEngine:
         self._prompt_tokens = self._generation_tokens = 0
         self._stats_log = StatsLog()
 
+    @property
+    def model_name(self) -> str:
+        return self.runner.model_name
+
+    @property
+    def context_limit(self) -> int:
+        """The most tokens (prompt + output) one request may hold: the context and the KV cache."""
+        return min(self.max_model_len, self.num_blocks * self.runner.block_size)
+
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> LLMEngine:
         """Load the model named by `cfg.model` ("" = the default) on `cfg.device` and build the engine."""

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 FAULT_ENV = "MIXSERVE_FAULT_STEP"
@@ -79,3 +80,39 @@ def step_timeout(longest_step_s: float, configured_s: float) -> float:
     if configured_s > 0:
         return configured_s
     return max(MIN_STEP_TIMEOUT_S, STEP_TIMEOUT_FACTOR * longest_step_s)
+
+
+class StepClock:
+    """The steps of one step loop: how many ran, the longest, and when the running one began; `watch`
+    (on a thread of its own) declares the loop dead when a step (not the first: it may compile or warm
+    up) runs past `step_timeout`."""
+
+    def __init__(self, configured_timeout_s: float = 0.0) -> None:
+        self.configured_timeout_s = configured_timeout_s
+        self.num_steps = 0
+        self.longest_s = 0.0
+        self.started: float | None = None  # set while a step runs
+
+    def begin(self) -> int:
+        """A step begins; returns its number (from 1)."""
+        self.started = time.monotonic()
+        return self.num_steps + 1
+
+    def end(self) -> None:
+        if self.started is not None:
+            self.longest_s = max(self.longest_s, time.monotonic() - self.started)
+            self.num_steps += 1
+        self.started = None
+
+    def abandon(self) -> None:
+        """The step raised: not counted, not timed."""
+        self.started = None
+
+    def watch(self, alive: Callable[[], bool], die: Callable[[BaseException], None]) -> None:
+        while alive():
+            limit = step_timeout(self.longest_s, self.configured_timeout_s)
+            time.sleep(min(1.0, limit / 10))
+            started = self.started
+            if started is not None and self.num_steps > 0 and time.monotonic() - started > limit:
+                die(TimeoutError(f"step {self.num_steps + 1} ran past the watchdog's {limit:.1f} s"))
+                return

@@ -14,7 +14,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPBearer
 
 from mixserve.config import ServerConfig
-from mixserve.engine.async_engine import AsyncEngine, EngineBusyError, EngineDeadError
+from mixserve.engine.async_engine import AsyncEngine, EngineBusyError, EngineDeadError, RequestStream
+from mixserve.engine.sampling_params import SamplingParams
+from mixserve.engine.served_model import ServedModel
 from mixserve.metrics import ServerMetrics
 from mixserve.server.errors import APIError, error_response, install_error_handlers
 from mixserve.server.generation import EngineStreamResponse, collect, stream_events
@@ -24,12 +26,11 @@ from mixserve.server.preprocess import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     chat_prompt,
     completion_prompt,
-    context_limit,
     refuse_unsupported,
     sampling_params,
     validate,
 )
-from mixserve.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from mixserve.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, SamplingFields
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text}
@@ -61,8 +62,8 @@ class ServerState:
         return self.model_names[0]
 
     @property
-    def llm(self) -> Any:
-        return self.engine.llm
+    def model(self) -> ServedModel:
+        return self.engine.model
 
     def check_model(self, model: str | None) -> str:
         """The name to answer with: the request's own alias (as vLLM), or the first name."""
@@ -74,7 +75,8 @@ class ServerState:
                            param="model", code="model_not_found")
         return model
 
-    def submit(self, request_id: str, ids: list[int], params: Any, arrival: float) -> Any:
+    def submit(self, request_id: str, ids: list[int], params: SamplingParams,
+               arrival: float) -> RequestStream:
         """Queue the request, or refuse it: a dead or stopping engine (503), a full queue (429)."""
         try:
             return self.engine.submit(request_id, ids, params, arrival, max_waiting=self.max_waiting)
@@ -85,22 +87,18 @@ class ServerState:
             raise APIError(503, f"The engine is not running: {exc}") from None
 
 
-def create_app(engine: Any, server_cfg: Any = None, model_name: str | None = None, *,
+def create_app(engine: AsyncEngine, server_cfg: ServerConfig | None = None, *,
                shutdown_timeout: float = 30.0) -> FastAPI:
-    """The app over `engine` (an AsyncEngine, or an LLMEngine it wraps); `server_cfg` is a ServerConfig.
+    """The app over `engine`; `server_cfg` the [server] table (None: its defaults). The server reads the
+    model through `engine.model` and queues through `engine.submit`, never touching the LLMEngine.
 
     Bound to a loopback host (the default 127.0.0.1), the app answers only Host names of loopback: a web
     page cannot reach it through DNS rebinding (vLLM and TGI do not check this).
     """
     cfg = server_cfg if server_cfg is not None else ServerConfig()
-    if not isinstance(engine, AsyncEngine):
-        engine = AsyncEngine(engine, ServerMetrics(), step_timeout_s=cfg.step_timeout_s,
-                             max_engine_restarts=cfg.max_engine_restarts)
     if engine.metrics is None:
         engine.metrics = ServerMetrics()
-    if model_name is None:
-        model_name = getattr(getattr(engine.llm, "runner", None), "model_name", None) or "mixserve"
-    names = list(cfg.served_model_name) or [model_name]  # --served-model-name: aliases, as vLLM
+    names = list(cfg.served_model_name) or [engine.model.name]  # --served-model-name: aliases, as vLLM
     state = ServerState(engine, engine.metrics, names, cfg.max_waiting)
 
     @contextlib.asynccontextmanager
@@ -141,7 +139,7 @@ def create_app(engine: Any, server_cfg: Any = None, model_name: str | None = Non
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": 0, "owned_by": "mixserve",
-            "max_model_len": context_limit(state.llm),
+            "max_model_len": state.model.context_limit,
         } for name in state.model_names]}
 
     @app.post("/v1/completions", dependencies=guarded, responses=GENERATION_RESPONSES)
@@ -151,11 +149,11 @@ def create_app(engine: Any, server_cfg: Any = None, model_name: str | None = Non
         refuse_unsupported(body)
         if body.echo:
             raise APIError(400, "echo is not supported.", param="echo")
-        ids = await completion_prompt(state.llm, body)
-        params = sampling_params(state.llm, body, len(ids), max_tokens=body.max_tokens,
+        ids = await completion_prompt(state.model, body)
+        params = sampling_params(state.model, body, len(ids), max_tokens=body.max_tokens,
                                  default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
                                  num_logprobs=body.logprobs)
-        validate(state.llm, ids, params, "prompt")
+        validate(state.model, ids, params, "prompt")
         return await _generate(state, request, body, ids, params, name, chat=False,
                                want_logprobs=body.logprobs is not None, arrival=arrival)
 
@@ -164,22 +162,23 @@ def create_app(engine: Any, server_cfg: Any = None, model_name: str | None = Non
         arrival = time.monotonic()
         name = state.check_model(body.model)
         refuse_unsupported(body)
-        ids = await chat_prompt(state.llm, body)
+        ids = await chat_prompt(state.model, body)
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = sampling_params(state.llm, body, len(ids), max_tokens=max_tokens, default_max_tokens=None,
+        params = sampling_params(state.model, body, len(ids), max_tokens=max_tokens, default_max_tokens=None,
                                  num_logprobs=num_logprobs)
-        validate(state.llm, ids, params, "messages")
+        validate(state.model, ids, params, "messages")
         return await _generate(state, request, body, ids, params, name, chat=True,
                                want_logprobs=body.logprobs, arrival=arrival)
 
     return app
 
 
-async def _generate(state: ServerState, request: Request, body: Any, ids: list[int], params: Any,
-                    name: str, *, chat: bool, want_logprobs: bool, arrival: float) -> Response:
+async def _generate(state: ServerState, request: Request, body: SamplingFields, ids: list[int],
+                    params: SamplingParams, name: str, *, chat: bool, want_logprobs: bool,
+                    arrival: float) -> Response:
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    fmt = Formatter(request_id, name, chat, state.llm.tokenizer)
+    fmt = Formatter(request_id, name, chat, state.model.tokenizer)
     stream = state.submit(request_id, ids, params, arrival)  # from here on, whoever ends must close it
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

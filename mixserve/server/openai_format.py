@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mixserve.engine.outputs import RequestUpdate
+
 DONE = "data: [DONE]\n\n"
 
 
@@ -24,7 +26,7 @@ class TokenLogprob:
     top: dict[int, float] = field(default_factory=dict)
 
 
-def token_logprobs(update: Any) -> list[TokenLogprob]:
+def token_logprobs(update: RequestUpdate) -> list[TokenLogprob]:
     """An update's `TokenLogprobs` records (token_id, logprob, top pairs), one per new token."""
     return [TokenLogprob(e.token_id, e.logprob, dict(e.top)) for e in (update.logprobs or [])]
 

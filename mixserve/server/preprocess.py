@@ -11,6 +11,8 @@ import json
 import logging
 from typing import Any
 
+from mixserve.engine.sampling_params import SamplingParams, StructuredOutput
+from mixserve.engine.served_model import ServedModel
 from mixserve.server.errors import APIError
 from mixserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -19,32 +21,25 @@ logger = logging.getLogger(__name__)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
 
 
-def context_limit(llm: Any) -> int:
-    """The most tokens (prompt + output) one request may hold: the model's context and the KV cache."""
-    runner = llm.runner
-    context = getattr(llm, "max_model_len", None) or runner.max_model_len  # the engine's may be shorter
-    return min(context, runner.num_blocks * runner.block_size)
-
-
-def _check_length_bound(llm: Any, texts: list[str], param: str) -> None:
+def _check_length_bound(model: ServedModel, texts: list[str], param: str) -> None:
     """A 400 for text that must be over the context whatever it tokenizes to (each token is at most
     `max_token_bytes` bytes of it), before any tokenizing."""
     num_bytes = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
-    limit = context_limit(llm)
-    at_least = -(-num_bytes // llm.tokenizer.max_token_bytes)
+    limit = model.context_limit
+    at_least = -(-num_bytes // model.tokenizer.max_token_bytes)
     if at_least > limit:
         raise APIError(400, f"{param}: {num_bytes} bytes of text are at least {at_least} tokens, over the "
                             f"{limit}-token context of this server", param=param)
 
 
-async def _encode(llm: Any, text: str, add_special_tokens: bool, param: str) -> list[int]:
+async def _encode(model: ServedModel, text: str, add_special_tokens: bool, param: str) -> list[int]:
     try:
-        return list(await asyncio.to_thread(llm.tokenizer.encode_releasing_gil, text, add_special_tokens))
+        return list(await asyncio.to_thread(model.tokenizer.encode_releasing_gil, text, add_special_tokens))
     except (TypeError, ValueError) as exc:  # e.g. a lone UTF-16 surrogate, which no tokenizer takes
         raise APIError(400, f"The {param} cannot be tokenized: {exc}", param=param) from exc
 
 
-async def completion_prompt(llm: Any, req: CompletionRequest) -> list[int]:
+async def completion_prompt(model: ServedModel, req: CompletionRequest) -> list[int]:
     """Text is tokenized (with the BOS the tokenizer adds); token ids pass as they are (validate checks)."""
     prompt: Any = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -52,8 +47,8 @@ async def completion_prompt(llm: Any, req: CompletionRequest) -> list[int]:
             raise APIError(400, "Only one prompt per request is supported.", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        _check_length_bound(llm, [prompt], "prompt")
-        ids = await _encode(llm, prompt, True, "prompt")
+        _check_length_bound(model, [prompt], "prompt")
+        ids = await _encode(model, prompt, True, "prompt")
     else:
         ids = list(prompt)
     if not ids:
@@ -61,15 +56,15 @@ async def completion_prompt(llm: Any, req: CompletionRequest) -> list[int]:
     return ids
 
 
-async def chat_prompt(llm: Any, req: ChatCompletionRequest) -> list[int]:
+async def chat_prompt(model: ServedModel, req: ChatCompletionRequest) -> list[int]:
     """The messages through the model's chat template, with the assistant's turn opened."""
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    _check_length_bound(llm, [m["content"] for m in messages], "messages")
+    _check_length_bound(model, [m["content"] for m in messages], "messages")
     try:
-        text = await asyncio.to_thread(llm.tokenizer.render_chat, messages, True)
+        text = await asyncio.to_thread(model.tokenizer.render_chat, messages, True)
     except Exception as exc:  # a template may reject a conversation (roles out of order, ...)
         raise APIError(400, f"The chat template refused these messages: {exc}", param="messages") from exc
-    ids = await _encode(llm, text, False, "messages")
+    ids = await _encode(model, text, False, "messages")
     if not ids:
         raise APIError(400, "The messages render to an empty prompt.", param="messages")
     return ids
@@ -99,14 +94,12 @@ def refuse_unsupported(req: SamplingFields) -> None:
         logger.warning("ignored fields this server does not know: %s", ", ".join(ignored))
 
 
-def sampling_params(llm: Any, req: SamplingFields, prompt_len: int, *, max_tokens: int | None,
-                    default_max_tokens: int | None, num_logprobs: int | None) -> Any:
+def sampling_params(model: ServedModel, req: SamplingFields, prompt_len: int, *, max_tokens: int | None,
+                    default_max_tokens: int | None, num_logprobs: int | None) -> SamplingParams:
     """Build the engine's SamplingParams; its ValueError (naming the field) becomes a 400."""
-    from mixserve.engine.sampling_params import SamplingParams
-
     if max_tokens is None:
         # default: what is left of the context, so a chat answer is never cut by a guess
-        room = context_limit(llm) - prompt_len
+        room = model.context_limit - prompt_len
         max_tokens = default_max_tokens if default_max_tokens is not None else max(room, 1)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     fields: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "n": req.n}
@@ -148,11 +141,9 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
                        param="logit_bias") from None
 
 
-def structured_output(req: SamplingFields) -> Any:
+def structured_output(req: SamplingFields) -> StructuredOutput | None:
     """The grammar a request asks for (`response_format`, or vLLM's `guided_json`/`guided_regex`/
     `guided_choice`), as a StructuredOutput; None for free text. At most one may be given."""
-    from mixserve.engine.sampling_params import StructuredOutput
-
     guided = ("guided_json", "guided_regex", "guided_choice")
     asked = [name for name in guided if getattr(req, name) is not None]
     fmt = req.response_format or {}
@@ -183,10 +174,11 @@ def structured_output(req: SamplingFields) -> Any:
     return None
 
 
-def validate(llm: Any, prompt_token_ids: list[int], params: Any, prompt_param: str) -> None:
+def validate(model: ServedModel, prompt_token_ids: list[int], params: SamplingParams,
+             prompt_param: str) -> None:
     """The engine's own check (context length, KV cache room, parameters) as a 400 naming the param."""
     try:
-        llm.validate(prompt_token_ids, params)
+        model.validate(prompt_token_ids, params)
     except ValueError as exc:
         param = getattr(exc, "param", None)
         if param == "prompt":

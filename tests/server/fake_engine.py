@@ -74,6 +74,12 @@ class FakeEngine:
         self.added: list[str] = []
         self.aborted: list[str] = []
 
+    model_name = "fake-model"
+
+    @property
+    def context_limit(self) -> int:
+        return min(self.runner.max_model_len, self.runner.num_blocks * self.runner.block_size)
+
     def validate(self, prompt_token_ids: list[int], params: Any) -> None:
         if any(not 0 <= t < self.runner.config.vocab_size for t in prompt_token_ids):
             raise FakeRequestError("prompt: a token id is outside the vocabulary", "prompt")
@@ -133,3 +139,13 @@ class FakeEngine:
             used = sum(r.blocks for r in self.running.values())
             return SchedulerStats(len(self.running), len(self.waiting), self.runner.num_blocks,
                                   self.runner.num_blocks - used, 0, self.last_step_tokens, 0)
+
+
+def make_app(fake: FakeEngine | None = None, *, max_engine_restarts: int = 3, **server_cfg: Any) -> Any:
+    """The server's app over a FakeEngine (a fresh one if None); `server_cfg` are [server] keys."""
+    from mixserve.config import ServerConfig
+    from mixserve.engine.async_engine import AsyncEngine
+    from mixserve.server import create_app
+
+    engine = AsyncEngine(fake if fake is not None else FakeEngine(), max_engine_restarts=max_engine_restarts)
+    return create_app(engine, ServerConfig(**server_cfg))

@@ -10,10 +10,8 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from mixserve.config import ServerConfig
 from mixserve.engine.async_engine import AsyncEngine
-from mixserve.server import create_app
-from tests.server.fake_engine import FakeEngine
+from tests.server.fake_engine import FakeEngine, make_app
 
 LOCAL = "http://127.0.0.1"  # the app answers loopback Host names only (DNS rebinding)
 
@@ -40,7 +38,7 @@ def fake() -> FakeEngine:
 
 @pytest.fixture
 def client(fake: FakeEngine) -> Iterator[TestClient]:
-    with TestClient(create_app(fake, ServerConfig()), base_url=LOCAL, raise_server_exceptions=False) as c:
+    with TestClient(make_app(fake), base_url=LOCAL, raise_server_exceptions=False) as c:
         yield c
 
 
@@ -136,7 +134,7 @@ def test_malformed_json_is_a_400(client: TestClient):
 
 
 def test_api_key_guards_model_routes_but_not_health(fake: FakeEngine):
-    with TestClient(create_app(fake, ServerConfig(api_key="s3cret")), base_url=LOCAL) as client:
+    with TestClient(make_app(fake, api_key="s3cret"), base_url=LOCAL) as client:
         body = {"prompt": "a", "max_tokens": 1}
         assert client.post("/v1/completions", json=body).status_code == 401
         wrong = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
@@ -150,7 +148,7 @@ def test_api_key_guards_model_routes_but_not_health(fake: FakeEngine):
 def test_too_many_waiting_is_a_429(fake: FakeEngine):
     fake.gate = threading.Event()  # nothing runs: every request stays waiting
     fake.max_num_seqs = 1
-    app = create_app(fake, ServerConfig(max_waiting=2))
+    app = make_app(fake, max_waiting=2)
     engine: AsyncEngine = app.state.mixserve.engine
     with TestClient(app, base_url=LOCAL) as client:
         results: list[int] = []
@@ -172,7 +170,7 @@ def test_too_many_waiting_is_a_429(fake: FakeEngine):
 
 def test_dead_engine_makes_health_503_and_streams_end_with_an_error_event(fake: FakeEngine):
     fake.gate = threading.Event()
-    with TestClient(create_app(fake, ServerConfig(max_engine_restarts=0)), base_url=LOCAL) as client:
+    with TestClient(make_app(fake, max_engine_restarts=0), base_url=LOCAL) as client:
         assert client.get("/health").status_code == 200
         out: list[str] = []
         t = threading.Thread(target=lambda: out.append(client.post("/v1/completions", json={
@@ -202,7 +200,7 @@ def test_metrics_exposes_every_design_name(client: TestClient):
 
 
 def test_two_apps_keep_their_own_registries():
-    a, b = create_app(FakeEngine(), ServerConfig()), create_app(FakeEngine(), ServerConfig())
+    a, b = make_app(), make_app()
     with TestClient(a, base_url=LOCAL) as ca, TestClient(b, base_url=LOCAL) as cb:
         ca.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
         assert "\nmixserve:generation_tokens_total 2.0" in ca.get("/metrics").text

@@ -8,10 +8,8 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from mixserve.config import ServerConfig
-from mixserve.server import create_app
 from mixserve.server.guard import is_loopback_host
-from tests.server.fake_engine import FakeEngine
+from tests.server.fake_engine import FakeEngine, make_app
 
 LOCAL = "http://127.0.0.1"
 BODY = {"prompt": "a", "max_tokens": 1}
@@ -19,7 +17,7 @@ BODY = {"prompt": "a", "max_tokens": 1}
 
 @pytest.fixture
 def client() -> Iterator[TestClient]:
-    with TestClient(create_app(FakeEngine(), ServerConfig(max_body_bytes=4000)), base_url=LOCAL) as c:
+    with TestClient(make_app(max_body_bytes=4000), base_url=LOCAL) as c:
         yield c
 
 
@@ -38,7 +36,7 @@ def test_a_loopback_server_refuses_other_host_names(client: TestClient):
 
 
 def test_a_server_on_every_interface_answers_any_host():
-    with TestClient(create_app(FakeEngine(), ServerConfig(host="0.0.0.0")), base_url=LOCAL) as c:
+    with TestClient(make_app(host="0.0.0.0"), base_url=LOCAL) as c:
         assert c.get("/health", headers={"host": "my-box.lan:8000"}).status_code == 200
 
 
@@ -59,7 +57,7 @@ def test_a_chunked_body_over_the_limit_is_cut_with_a_413(client: TestClient):
 
 
 def test_the_key_is_checked_before_the_body_is_parsed():
-    with TestClient(create_app(FakeEngine(), ServerConfig(api_key="k")), base_url=LOCAL) as c:
+    with TestClient(make_app(api_key="k"), base_url=LOCAL) as c:
         r = c.post("/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
         r = c.post("/v1/completions", content=b'{"prompt": ',
@@ -123,7 +121,7 @@ def test_a_boolean_is_not_an_integer(client: TestClient, field):
 def test_a_prompt_far_over_the_context_is_refused_before_tokenizing():
     fake = FakeEngine()
     fake.tokenizer.encode_releasing_gil = None  # tokenizing it would raise: the bound must answer first
-    with TestClient(create_app(fake, ServerConfig()), base_url=LOCAL) as c:
+    with TestClient(make_app(fake), base_url=LOCAL) as c:
         r = c.post("/v1/completions", json={"prompt": "a" * 5000, "max_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
         assert "at least 5000 tokens" in r.json()["error"]["message"]
