@@ -153,7 +153,7 @@ def create_app(engine: AsyncEngine, server_cfg: ServerConfig | None = None, *,
         params = sampling_params(state.model, body, len(ids), max_tokens=body.max_tokens,
                                  default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
                                  num_logprobs=body.logprobs)
-        validate(state.model, ids, params, "prompt")
+        await validate(state.model, ids, params, "prompt")
         return await _generate(state, request, body, ids, params, name, chat=False,
                                want_logprobs=body.logprobs is not None, arrival=arrival)
 
@@ -167,7 +167,7 @@ def create_app(engine: AsyncEngine, server_cfg: ServerConfig | None = None, *,
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = sampling_params(state.model, body, len(ids), max_tokens=max_tokens, default_max_tokens=None,
                                  num_logprobs=num_logprobs)
-        validate(state.model, ids, params, "messages")
+        await validate(state.model, ids, params, "messages")
         return await _generate(state, request, body, ids, params, name, chat=True,
                                want_logprobs=body.logprobs, arrival=arrival)
 

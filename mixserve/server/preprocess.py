@@ -174,11 +174,16 @@ def structured_output(req: SamplingFields) -> StructuredOutput | None:
     return None
 
 
-def validate(model: ServedModel, prompt_token_ids: list[int], params: SamplingParams,
-             prompt_param: str) -> None:
-    """The engine's own check (context length, KV cache room, parameters) as a 400 naming the param."""
+async def validate(model: ServedModel, prompt_token_ids: list[int], params: SamplingParams,
+                   prompt_param: str) -> None:
+    """The engine's own check (context length, KV cache room, parameters) as a 400 naming the param.
+    With a grammar it compiles it (milliseconds for a schema; half a second for the first one, which
+    builds the tokenizer's table): on a worker thread then, so the event loop never waits for it."""
     try:
-        model.validate(prompt_token_ids, params)
+        if params.structured_output is not None:
+            await asyncio.to_thread(model.validate, prompt_token_ids, params)
+        else:
+            model.validate(prompt_token_ids, params)
     except ValueError as exc:
         param = getattr(exc, "param", None)
         if param == "prompt":
