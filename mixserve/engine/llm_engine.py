@@ -179,10 +179,16 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Drop a request (every choice of it) and free its blocks; unknown or finished ids are ignored."""
-        if self._requests.pop(request_id, None) is not None:
-            self.scheduler.abort(request_id)
+        if request_id in self._requests:
+            self._retire(request_id)
         for child in self.choices.abort(request_id):
             self.abort(child)
+
+    def _retire(self, request_id: str) -> None:
+        """The one place a request leaves: finished (length, EOS, stop, grammar) or aborted. The scheduler
+        drops its record and frees (or, with prefix caching, caches) its blocks."""
+        del self._requests[request_id]
+        self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -242,10 +248,7 @@ class LLMEngine:
                 reason = "length"
             updates.append(state.update(reason, now))
             if reason is not None:
-                # finish() frees the blocks of an early stop; abort() then drops the scheduler's record
-                self.scheduler.finish(rid)
-                self.scheduler.abort(rid)
-                del self._requests[rid]
+                self._retire(rid)
         return updates, prompt_tokens
 
     def _end_step(self, start: float, wall: float, out: ScheduleOutput, num_seqs: int, prompt_tokens: int,
