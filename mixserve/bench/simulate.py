@@ -16,23 +16,25 @@ from pathlib import Path
 from mixserve.bench.report import RequestResult
 from mixserve.bench.trace import StepRecord
 from mixserve.bench.workload import RequestSpec
+from mixserve.config import EngineConfig
 from mixserve.core import BlockPool, Chunked, Scheduler, SchedulerConfig, WholePrompt, plan
 from mixserve.core.cost_model import CostCoefficients, StepCostModel, TpotBudget, step_features
 
 
 @dataclass(frozen=True)
 class SimSettings:
-    """The [engine] keys that shape a schedule (num_blocks 0: enough for every request at once)."""
+    """The [engine] keys that shape a schedule, defaulting to EngineConfig's (num_blocks 0: here, enough
+    for every request at once)."""
 
-    prefill_chunk: int = 256
-    max_batch_tokens: int = 512
-    max_num_seqs: int = 64
-    block_size: int = 16
-    num_blocks: int = 0
-    tpot_target_ms: float = 0
-    max_partial_prefills: int = 0
-    long_prefill_threshold: int = 0
-    max_long_partial_prefills: int = 0
+    prefill_chunk: int = EngineConfig.prefill_chunk
+    max_batch_tokens: int = EngineConfig.max_batch_tokens
+    max_num_seqs: int = EngineConfig.max_num_seqs
+    block_size: int = EngineConfig.block_size
+    num_blocks: int = EngineConfig.num_blocks
+    tpot_target_ms: float = EngineConfig.tpot_target_ms
+    max_partial_prefills: int = EngineConfig.max_partial_prefills
+    long_prefill_threshold: int = EngineConfig.long_prefill_threshold
+    max_long_partial_prefills: int = EngineConfig.max_long_partial_prefills
 
     @classmethod
     def from_engine_config(cls, cfg: object) -> SimSettings:
