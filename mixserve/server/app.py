@@ -75,16 +75,28 @@ class ServerState:
                            param="model", code="model_not_found")
         return model
 
+    def refuse_early(self) -> None:
+        """Before tokenizing: a request that would be refused anyway is refused now, without the work.
+        (Only a shortcut: `submit` is the atomic check.)"""
+        if not self.engine.healthy or not self.engine.accepting:
+            raise APIError(503, "The engine is not running.")
+        if self.engine.num_waiting() >= self.max_waiting:
+            raise _busy(f"{self.engine.num_waiting()} requests are waiting already")
+
     def submit(self, request_id: str, ids: list[int], params: SamplingParams,
                arrival: float) -> RequestStream:
         """Queue the request, or refuse it: a dead or stopping engine (503), a full queue (429)."""
         try:
             return self.engine.submit(request_id, ids, params, arrival, max_waiting=self.max_waiting)
         except EngineBusyError as exc:
-            raise APIError(429, f"Too many requests are waiting ({exc}); retry later.",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            raise _busy(str(exc)) from None
         except EngineDeadError as exc:
             raise APIError(503, f"The engine is not running: {exc}") from None
+
+
+def _busy(why: str) -> APIError:
+    return APIError(429, f"Too many requests are waiting ({why}); retry later.",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def create_app(engine: AsyncEngine, server_cfg: ServerConfig | None = None, *,
@@ -147,6 +159,7 @@ def create_app(engine: AsyncEngine, server_cfg: ServerConfig | None = None, *,
         arrival = time.monotonic()
         name = state.check_model(body.model)
         refuse_unsupported(body)
+        state.refuse_early()
         if body.echo:
             raise APIError(400, "echo is not supported.", param="echo")
         ids = await completion_prompt(state.model, body)
@@ -162,6 +175,7 @@ def create_app(engine: AsyncEngine, server_cfg: ServerConfig | None = None, *,
         arrival = time.monotonic()
         name = state.check_model(body.model)
         refuse_unsupported(body)
+        state.refuse_early()
         ids = await chat_prompt(state.model, body)
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
