@@ -60,8 +60,9 @@ class Choices:
         if not self._fanouts:
             return updates
         out = [self._relabel(u) for u in updates]
+        stepped = {u.request_id for u in out}
         for request_id, fan in self._fanouts.items():
-            if not fan.joined and any(u.request_id == request_id for u in out):
+            if not fan.joined and request_id in stepped:
                 fan.joined = True
                 for i in range(1, fan.params.n):
                     child = f"{request_id}{SEPARATOR}{i}"
