@@ -264,12 +264,13 @@ class AsyncEngine:
             tracked = self._live.get(update.request_id)
             if tracked is None:
                 continue  # aborted while this step ran
-            tracked.record_tokens(len(update.new_token_ids), now, self.metrics)
+            tracked.observe(update, self.metrics)
             if update.request_done:
                 del self._live[update.request_id]
                 self._num_live = len(self._live)
                 if self.metrics is not None:
-                    self.metrics.observe_finished(now - tracked.arrival)
+                    end = update.token_times[-1] if update.token_times else now
+                    self.metrics.observe_finished(end - tracked.arrival)
             outgoing.append((tracked, update))
         send_batch(outgoing)
 

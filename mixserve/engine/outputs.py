@@ -69,6 +69,10 @@ class RequestUpdate:
     output: RequestOutput | None
     index: int = 0  # the choice this delta belongs to (SamplingParams.n > 1)
     request_done: bool | None = None  # every choice has finished; None: the same as `finished`
+    # the engine's clock (time.monotonic) for the new tokens, and for the token before them (None: these
+    # begin the choice): the one clock the server's metrics read
+    token_times: tuple[float, ...] = ()
+    prev_token_time: float | None = None
 
     def __post_init__(self) -> None:
         if self.request_done is None:

@@ -103,6 +103,8 @@ class RequestState:
         self.emitted = max(self.emitted, end)
         new_ids = self.token_ids[self.sent_tokens :]
         new_lps = None if self.logprobs is None else self.logprobs[self.sent_tokens :]
+        times = tuple(self.token_times[self.sent_tokens :])
+        prev = self.token_times[self.sent_tokens - 1] if self.sent_tokens > 0 else None
         self.sent_tokens = len(self.token_ids)
         return RequestUpdate(
             request_id=self.request_id,
@@ -112,6 +114,8 @@ class RequestState:
             finish_reason=finish_reason,
             logprobs=new_lps,
             output=self.output() if finish_reason is not None else None,
+            token_times=times,
+            prev_token_time=prev,
         )
 
     def output(self) -> RequestOutput:

@@ -26,7 +26,8 @@ class EngineBusyError(RuntimeError):
 
 @dataclass
 class Tracked:
-    """What the step thread knows of one live request: where its updates go and its token times."""
+    """Where one live request's updates go (its queue on its event loop), and the two facts of it the
+    metrics need that the updates do not carry. Its times are the engine's: the updates bring them."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
@@ -34,22 +35,20 @@ class Tracked:
     arrival: float
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    first_token: float | None = None
-    last_token: float | None = None
 
-    def record_tokens(self, n: int, now: float, metrics: Any | None) -> None:
-        """Note `n` new tokens at `now`: TTFT for the first, a gap for each later one."""
-        if n and metrics is not None:
-            if self.first_token is None:
-                metrics.observe_first_token(now - self.arrival, len(self.prompt_token_ids))
-            else:
-                metrics.observe_token_gap(now - (self.last_token or now))
-            for _ in range(n - 1):  # several tokens in one update arrived together
-                metrics.observe_token_gap(0.0)
-            metrics.observe_generated(n)
-        if n:
-            self.first_token = self.first_token or now
-            self.last_token = now
+    def observe(self, update: Any, metrics: Any | None) -> None:
+        """The update's tokens into the metrics, on the engine's clock: TTFT for a request's first token
+        (choice 0's), a gap for every later one."""
+        times = update.token_times
+        if metrics is None or not times:
+            return
+        if update.prev_token_time is not None:
+            metrics.observe_token_gap(times[0] - update.prev_token_time)
+        elif update.index == 0:
+            metrics.observe_first_token(times[0] - self.arrival, len(self.prompt_token_ids))
+        for earlier, later in zip(times, times[1:], strict=False):
+            metrics.observe_token_gap(later - earlier)
+        metrics.observe_generated(len(times))
 
     def send(self, item: Any) -> None:
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -52,6 +53,7 @@ class _Req:
     params: Any
     blocks: int
     generated: list[int] = field(default_factory=list)
+    last_time: float | None = None  # the engine's clock at its last token
 
 
 class FakeEngine:
@@ -131,7 +133,10 @@ class FakeEngine:
                 text = self.tokenizer.decode([token])
                 if self.hold_back_text:
                     text = self.tokenizer.decode(req.generated) if done else ""
-                updates.append(RequestUpdate(rid, [token], text, done, "length" if done else None, lp, None))
+                now = time.monotonic()
+                updates.append(RequestUpdate(rid, [token], text, done, "length" if done else None, lp, None,
+                                             token_times=(now,), prev_token_time=req.last_time))
+                req.last_time = now
         return updates
 
     def stats(self) -> SchedulerStats:

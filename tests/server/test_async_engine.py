@@ -184,3 +184,29 @@ def test_start_after_stop_serves_again():
 
     first, second = asyncio.run(main())
     assert (len(first), len(second)) == (2, 3)
+
+
+def test_metrics_read_the_engines_clock_from_the_updates():
+    from mixserve.engine.outputs import RequestUpdate
+    from mixserve.engine.streams import Tracked
+
+    seen: list[tuple[str, float]] = []
+
+    class Recorder:
+        def observe_first_token(self, ttft, prompt_tokens):
+            seen.append(("ttft", round(ttft, 6)))
+
+        def observe_token_gap(self, gap):
+            seen.append(("gap", round(gap, 6)))
+
+        def observe_generated(self, n):
+            seen.append(("tokens", n))
+
+    tracked = Tracked("r", [1, 2, 3], None, 10.0, None, None)  # type: ignore[arg-type]
+    first = RequestUpdate("r", [5], "a", False, None, None, None, token_times=(10.5,))
+    later = RequestUpdate("r", [6, 7], "bc", False, None, None, None, token_times=(10.75, 11.0),
+                          prev_token_time=10.5)
+    sibling = RequestUpdate("r", [8], "d", False, None, None, None, index=1, token_times=(10.6,))
+    for update in (first, later, sibling):
+        tracked.observe(update, Recorder())
+    assert seen == [("ttft", 0.5), ("tokens", 1), ("gap", 0.25), ("gap", 0.25), ("tokens", 2), ("tokens", 1)]
