@@ -91,7 +91,7 @@ class LLMEngine:
     @property
     def context_limit(self) -> int:
         """The most tokens (prompt + output) one request may hold: the context and the KV cache."""
-        return min(self.max_model_len, self.num_blocks * self.runner.block_size)
+        return min(self.max_model_len, self.scheduler.cfg.num_slots)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> LLMEngine:
@@ -145,7 +145,7 @@ class LLMEngine:
             raise RequestError(
                 f"{param}: prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                 f"max_model_len ({self.max_model_len})", param)
-        kv_slots = self.num_blocks * self.runner.block_size
+        kv_slots = self.scheduler.cfg.num_slots  # the scheduler's own rule (add_request) in one number
         if total > kv_slots:
             param = "prompt" if n >= kv_slots else "max_tokens"  # the prompt alone cannot fit: name it
             raise RequestError(
