@@ -28,6 +28,7 @@ import httpx  # noqa: E402
 from mixserve.bench.run import RunOptions, run_bench  # noqa: E402
 from mixserve.bench.server import DEFAULT_SERVER_CMD, ServerProcess, free_port, server_command  # noqa: E402
 from mixserve.bench.workload import DEFAULT_VOCAB_SIZE, random_workload, shared_prefix_workload  # noqa: E402
+from mixserve.config import EngineConfig  # noqa: E402
 
 COUNTERS = ("mixserve:prefix_cache_queries_total", "mixserve:prefix_cache_hits_total")
 
@@ -74,8 +75,8 @@ def main() -> int:
     ap.add_argument("--prefix-len", type=int, default=512)
     ap.add_argument("--num-prefixes", type=int, default=1)
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--prefill-chunk", type=int, default=256)
-    ap.add_argument("--max-batch-tokens", type=int, default=512)
+    ap.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk)
+    ap.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
     ap.add_argument("--server-args", default="", help="extra `mixserve serve` flags for both servers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/prefix_cache.json")

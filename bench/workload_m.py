@@ -31,6 +31,7 @@ from mixserve.bench.report import format_summary  # noqa: E402
 from mixserve.bench.run import RunOptions, run_bench  # noqa: E402
 from mixserve.bench.server import DEFAULT_SERVER_CMD, ServerProcess, free_port, server_command  # noqa: E402
 from mixserve.bench.workload import DEFAULT_VOCAB_SIZE, RequestSpec, workload_m  # noqa: E402
+from mixserve.config import EngineConfig  # noqa: E402
 
 LONG_LEN, ALONE_REPEATS = 1500, 3
 
@@ -71,8 +72,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", help="an already running server (else one is started here)")
     ap.add_argument("--scaled", action="store_true", help="12 short requests at 0.5/s (make bench's M)")
-    ap.add_argument("--prefill-chunk", type=int, default=256)
-    ap.add_argument("--max-batch-tokens", type=int, default=512)
+    ap.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk)
+    ap.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
     ap.add_argument("--server-args", default="", help="extra `mixserve serve` flags")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/workload_m.json")
