@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from mixserve.core.batch import Chunk, RequestId, ScheduleOutput
 from mixserve.core.blocks import BlockSpace
@@ -14,40 +14,12 @@ from mixserve.core.prefill_limits import Admit, PartialPrefills
 from mixserve.core.prefix_cache import PrefixCache, new_pool
 from mixserve.core.request import Request, Status
 from mixserve.core.stats import SchedulerStats
+from mixserve.core.step_draft import StepDraft
+from mixserve.core.waiting_share import WaitingShare
 
 # Finished requests stay readable (output, tokens) until this many newer ones have finished, or until
 # abort() forgets them, so that a long-running server does not keep every answer forever.
 MAX_FINISHED_KEPT = 10_000
-
-
-class _Step:
-    """The step being built: what is scheduled so far, and the budget it leaves."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.decodes: dict[RequestId, None] = {}  # dicts: ordered, and a preempted entry leaves in O(1)
-        self.chunks: dict[RequestId, Chunk] = {}
-        self.preempted: list[RequestId] = []
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(c.length for c in self.chunks.values())
-
-    @property
-    def budget_left(self) -> int:
-        # A prompt running alone may exceed the budget; what is left is then 0, never negative.
-        return max(0, self.budget - self.num_tokens)
-
-    @property
-    def alone(self) -> bool:
-        return not self.decodes and not self.chunks
-
-    def drop(self, rid: RequestId) -> None:
-        self.decodes.pop(rid, None)
-        self.chunks.pop(rid, None)
-
-    def output(self) -> ScheduleOutput:
-        return ScheduleOutput(list(self.decodes), list(self.chunks.values()), self.preempted)
 
 
 class Scheduler:
@@ -112,28 +84,39 @@ class Scheduler:
 
     def schedule(self) -> ScheduleOutput:
         """Choose this step's decodes and chunks and allocate the KV blocks of every position they write."""
-        step = _Step(self.cfg.max_batch_tokens)
+        step = StepDraft(self.cfg.max_batch_tokens)
         # 1. Decodes, one token each, oldest first.
         for r in list(self._running):
             if r.status is Status.RUNNING and r.is_decode_ready and step.budget_left > 0:
                 if self._reserve(r, len(r.tokens), step):
                     step.decodes[r.request_id] = None
                     r.num_computed += 1
-        # 2. Requests part-way through their prefill, oldest first.
+        # 2. Requests part-way through their prefill, oldest first. Under a target (and with decodes to
+        #    protect), waiting prompts that fit whole within their share of the step's time go before them.
         partial = PartialPrefills(self.cfg, (r.prefill_end for r in self._running if r.is_prefilling))
+        if self.step_budget is not None and step.decodes:
+            self._admit_waiting(step, partial, WaitingShare(self.step_budget, self._features(step)).take)
         for r in list(self._running):
             if r.status is Status.RUNNING and r.is_prefilling:
                 if self._schedule_chunk(r, step) == 0:
                     break
         # 3. Waiting requests in arrival order; one that cannot start holds back those behind it, except a
         #    long prompt over max_long_partial_prefills: shorter ones may pass it (prefill_limits.py).
+        self._admit_waiting(step, partial)
+        self._last_step = step.output()
+        return self._last_step
+
+    def _admit_waiting(self, step: StepDraft, partial: PartialPrefills,
+                       only: Callable[[int, int], bool] | None = None) -> None:
+        """Start waiting requests in arrival order; with `only` (prompt length, tokens left -> start it
+        now?), just those it takes: the others keep their place and those behind them may pass."""
         passed: list[Request] = []
         while self._waiting and len(self._running) < self.cfg.max_num_seqs:
             r = self._waiting[0]
             if r.request_id in step.preempted:  # it just gave its blocks back: not again this step
                 break
             admit = partial.admits(len(r.tokens))
-            if admit is not Admit.YES:
+            if admit is not Admit.YES or (only is not None and not only(len(r.tokens), step.budget_left)):
                 if admit is Admit.STOP:
                     break
                 passed.append(self._waiting.popleft())
@@ -147,10 +130,8 @@ class Scheduler:
                 break
             partial.add(len(r.tokens))
         self._waiting.extendleft(reversed(passed))
-        self._last_step = step.output()
-        return self._last_step
 
-    def _schedule_chunk(self, r: Request, step: _Step) -> int:
+    def _schedule_chunk(self, r: Request, step: StepDraft) -> int:
         """Give `r` its next chunk under the policy; returns its length (0: it must wait)."""
         remaining = r.prefill_end - r.num_computed
         budget_left, alone = step.budget_left, step.alone
@@ -177,12 +158,12 @@ class Scheduler:
         r.num_computed += length
         return length
 
-    def _features(self, step: _Step) -> StepFeatures:
+    def _features(self, step: StepDraft) -> StepFeatures:
         """The step so far as the cost model sees it: each decode at n - 1, each chunk from its start."""
         decodes = ((len(self._requests[rid].tokens) - 1, 1) for rid in step.decodes)
         return step_features([*decodes, *((c.start, c.length) for c in step.chunks.values())])
 
-    def _reserve(self, r: Request, upto: int, step: _Step, may_preempt: bool = True) -> bool:
+    def _reserve(self, r: Request, upto: int, step: StepDraft, may_preempt: bool = True) -> bool:
         """Give `r` blocks for positions < upto, preempting the newest running requests if need be.
 
         Returns False if that is impossible: blocks are short and preempting is not allowed, or `r`
@@ -200,7 +181,7 @@ class Scheduler:
             r.block_table.extend(self.blocks.allocate(need))
         return True
 
-    def _preempt(self, r: Request, step: _Step) -> None:
+    def _preempt(self, r: Request, step: StepDraft) -> None:
         """Recompute later: give back every block, forget the K/V, wait at the front of the queue."""
         step.drop(r.request_id)
         step.preempted.append(r.request_id)
