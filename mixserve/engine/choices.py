@@ -73,6 +73,10 @@ class Choices:
                 del self._fanouts[u.request_id]
         return out
 
+    def is_later_choice(self, internal_id: str) -> bool:
+        """A choice 1..n-1 of some request (it shares the prompt its choice 0 counts)."""
+        return internal_id in self._parent
+
     def abort(self, request_id: str) -> list[str]:
         """Forget a request; returns the internal ids of its later choices (to abort in the engine)."""
         fan = self._fanouts.pop(request_id, None)

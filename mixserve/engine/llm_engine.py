@@ -170,8 +170,8 @@ class LLMEngine:
             raise RequestError(f"request_id: {request_id!r} is already in use", "request_id")
         params = self.choices.add(request_id, ids, params, arrival)  # n > 1: choice 0 now, the rest later
         self.scheduler.add_request(request_id, ids, params.max_tokens)
-        self._requests[request_id] = RequestState(
-            request_id, ids, params, self.tokenizer, self.eos_token_ids,
+        self._requests[request_id] = RequestState(  # reads its tokens from the scheduler's record
+            self.scheduler.request(request_id), params, self.tokenizer, self.eos_token_ids,
             time.monotonic() if arrival is None else arrival,
         )
         if params.structured_output is not None:  # compiled by validate() (cached)
@@ -239,11 +239,11 @@ class LLMEngine:
         """Detokenize, check stops, end finished requests; returns the updates and new prompt tokens."""
         now = time.monotonic()
         updates, prompt_tokens = [], 0
-        for rid, (token, lp) in sampled.items():
+        for rid, (_, lp) in sampled.items():  # scheduler.update has appended each token to its record
             state = self._requests[rid]
-            if state.num_generated == 0:
-                prompt_tokens += len(state.prompt_token_ids)
-            reason = state.append(token, lp, now)
+            if state.num_generated == 0 and not self.choices.is_later_choice(rid):  # once per request
+                prompt_tokens += state.record.prompt_len
+            reason = state.take(lp, now)
             if reason is None and rid in finished_by_length:
                 reason = "length"
             updates.append(state.update(reason, now))

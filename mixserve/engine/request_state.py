@@ -1,7 +1,13 @@
-"""The engine's record of one request: params, detokenized text, stop checks, times and logprobs."""
+"""What the engine adds to the scheduler's record of a request: params, text, stop checks, times, logprobs.
+
+The scheduler's `Request` (core/request.py) is the one record of a request's tokens: the scheduler
+appends each sampled token, and everything here reads them from it (the detokenizer, the stop checks,
+the penalties, the updates and the output), so the two can never disagree.
+"""
 
 from __future__ import annotations
 
+from mixserve.core.request import Request
 from mixserve.engine.detokenizer import Decoder, IncrementalDetokenizer
 from mixserve.engine.outputs import RequestMetrics, RequestOutput, RequestUpdate, TokenLogprobs
 from mixserve.engine.sampling_params import SamplingParams
@@ -11,7 +17,7 @@ from mixserve.runner.sampler import SamplingRow, row_seed
 
 
 class RequestState:
-    """Follows one request from add_request to its last token.
+    """Follows one request from add_request to its last token, reading its tokens from `record`.
 
     Text that could be the start of a stop string is held back until it is known not to be one, so
     a streamed delta never has to be taken back.
@@ -19,50 +25,62 @@ class RequestState:
 
     def __init__(
         self,
-        request_id: str,
-        prompt_token_ids: list[int],
+        record: Request,
         params: SamplingParams,
         tokenizer: Decoder,
         eos_token_ids: frozenset[int],
         arrival: float,
     ) -> None:
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
+        self.record = record  # the scheduler's: it appends the tokens, this only reads them
         self.params = params
         eos = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_ids = frozenset(params.stop_token_ids) | eos
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
-        self.token_ids: list[int] = []
+        self.detok = IncrementalDetokenizer(tokenizer, record.tokens, record.prompt_len)
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self.text = ""
         self.emitted = 0  # characters of self.text already handed out in updates
         self.sent_tokens = 0
         self.arrival = arrival
-        self.token_times: list[float] = []
+        self.token_times: list[float] = []  # one per token taken: how many of the record's it has taken
         self.finished_at: float | None = None
         self.finish_reason: str | None = None
         self.stopped_by_string = False
         self.grammar: RequestGrammar | None = None  # structured output: set by the engine
 
     @property
-    def num_generated(self) -> int:
-        return len(self.token_ids)
+    def request_id(self) -> str:
+        return self.record.request_id
 
-    def append(self, token_id: int, logprobs: TokenLogprobs | None, now: float) -> str | None:
-        """Take one sampled token; returns "stop" if it ends the request (stop token, EOS, stop string)."""
-        self.token_ids.append(token_id)
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.record.tokens[: self.record.prompt_len]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The generated tokens taken so far (a copy: the record's list keeps growing)."""
+        start = self.record.prompt_len
+        return self.record.tokens[start : start + len(self.token_times)]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_times)
+
+    def take(self, logprobs: TokenLogprobs | None, now: float) -> str | None:
+        """Take the next token the scheduler appended to the record (its logprobs, its time); returns
+        "stop" if it ends the request (stop token, EOS, stop string, grammar)."""
+        token_id = self.record.tokens[self.record.prompt_len + len(self.token_times)]  # IndexError: none
         self.token_times.append(now)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
         if self.grammar is not None and self.grammar.accept(token_id):
             return "stop"  # the grammar has ended (on a stop token): whatever ignore_eos or min_tokens say
-        if len(self.token_ids) <= self.params.min_tokens:  # nothing stops it before min_tokens (as vLLM)
-            self.text += self.detok.add(token_id)
+        if self.num_generated <= self.params.min_tokens:  # nothing stops it before min_tokens (as vLLM)
+            self.text += self.detok.add()
             return None
         if token_id in self.stop_ids:
             return "stop"  # the token stays in token_ids; its text is not added
         old_len = len(self.text)
-        self.text += self.detok.add(token_id)
+        self.text += self.detok.add()
         if self.params.stop and len(self.text) > old_len:
             longest = max(len(s) for s in self.params.stop)
             # a stop string may begin in text added by earlier tokens
@@ -75,8 +93,8 @@ class RequestState:
         return None
 
     def sampling_row(self) -> SamplingRow:
-        """How the sampler treats this request's next token."""
-        p = self.params
+        """How the sampler treats this request's next token (read before the scheduler appends it)."""
+        p, tokens = self.params, self.record.tokens
         seed = None if p.seed is None else row_seed(p.seed, self.num_generated)
         processing = None
         if p.penalized:
@@ -86,8 +104,8 @@ class RequestState:
             processing = ProcessorRow(
                 p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias,
                 hidden_ids=tuple(self.stop_ids) if hide else (),
-                output_ids=self.token_ids if penalties else (),
-                seen_ids=[*self.prompt_token_ids, *self.token_ids] if p.repetition_penalty != 1.0 else ())
+                output_ids=tokens[self.record.prompt_len :] if penalties else (),
+                seen_ids=tokens if p.repetition_penalty != 1.0 else ())  # the sampler reads it at once
         return SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seed, p.logprobs, processing)
 
     def update(self, finish_reason: str | None, now: float) -> RequestUpdate:
@@ -101,11 +119,12 @@ class RequestState:
             self.finish_reason, self.finished_at = finish_reason, now
         new_text = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
-        new_ids = self.token_ids[self.sent_tokens :]
+        taken, start = self.num_generated, self.record.prompt_len
+        new_ids = self.record.tokens[start + self.sent_tokens : start + taken]
         new_lps = None if self.logprobs is None else self.logprobs[self.sent_tokens :]
         times = tuple(self.token_times[self.sent_tokens :])
         prev = self.token_times[self.sent_tokens - 1] if self.sent_tokens > 0 else None
-        self.sent_tokens = len(self.token_ids)
+        self.sent_tokens = taken
         return RequestUpdate(
             request_id=self.request_id,
             new_token_ids=new_ids,
@@ -121,8 +140,8 @@ class RequestState:
     def output(self) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
-            prompt_token_ids=list(self.prompt_token_ids),
-            token_ids=list(self.token_ids),
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=self.token_ids,
             text=self.text,
             finish_reason=self.finish_reason,
             metrics=RequestMetrics(

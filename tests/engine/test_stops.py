@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mixserve import SamplingParams
+from mixserve.core.request import Request
 from mixserve.engine.request_state import RequestState
 
 PIECES = ["<eos>", "Hel", "lo", " wor", "ld", "!", "\n", "ab", "c", "\xe2", "\x82\xac"]
@@ -18,12 +21,15 @@ class PieceTokenizer:
 
 
 def run(tokens: list[int], **params) -> tuple[list[str], RequestState, str | None]:
-    """Feed `tokens` one step at a time; returns the streamed deltas, the state, and the finish reason."""
-    state = RequestState("r", [1], SamplingParams(max_tokens=len(tokens), **params), PieceTokenizer(),
+    """Feed `tokens` one step at a time (appended to the record, as the scheduler does); returns the
+    streamed deltas, the state, and the finish reason."""
+    record = Request("r", [1], prompt_len=1, max_tokens=len(tokens))
+    state = RequestState(record, SamplingParams(max_tokens=len(tokens), **params), PieceTokenizer(),
                          frozenset({EOS}), arrival=0.0)
     deltas, reason = [], None
     for step, t in enumerate(tokens, 1):
-        reason = state.append(t, None, float(step))
+        record.tokens.append(t)
+        reason = state.take(None, float(step))
         if reason is None and step == len(tokens):
             reason = "length"
         deltas.append(state.update(reason, float(step)).new_text)
@@ -80,3 +86,15 @@ def test_metrics_record_every_token_time() -> None:
 def test_a_request_ending_inside_a_character_keeps_its_bytes_as_replacement() -> None:
     deltas, state, reason = run([1, 9])
     assert reason == "length" and deltas == ["Hel", "\ufffd"] and state.output().text == "Hel\ufffd"
+
+
+def test_the_state_reads_its_tokens_from_the_schedulers_record() -> None:
+    record = Request("r", [1], prompt_len=1, max_tokens=4)
+    state = RequestState(record, SamplingParams(max_tokens=4), PieceTokenizer(), frozenset({EOS}), 0.0)
+    with pytest.raises(IndexError):  # nothing appended to the record: nothing to take
+        state.take(None, 1.0)
+    record.tokens += [1, 2]  # the scheduler appended two tokens: the state takes them in order
+    assert (state.take(None, 1.0), state.take(None, 2.0)) == (None, None)
+    update = state.update(None, 2.0)
+    assert update.new_token_ids == [1, 2] == state.token_ids and update.new_text == "Hello"
+    assert state.prompt_token_ids == [1] and state.output().token_ids == record.tokens[1:]
