@@ -1,4 +1,4 @@
-"""Scheduler statistics: a snapshot for the metrics layer."""
+"""Scheduler and engine statistics: plain snapshots the metrics layer and the engine's log line read."""
 
 from __future__ import annotations
 
@@ -35,3 +35,31 @@ class SchedulerStats:
     @property
     def step_tokens(self) -> int:
         return self.step_decode_tokens + self.step_prefill_tokens
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Scheduler state plus the engine's counters (totals since start): the one source of /metrics'
+    token counters (metrics/prometheus.py turns totals into Prometheus counter increments)."""
+
+    scheduler: SchedulerStats
+    num_steps: int
+    num_prompt_tokens_total: int  # prompt tokens of requests that got their first token (once per request)
+    num_generation_tokens_total: int  # tokens sampled, every choice of every request
+    num_preemptions_total: int
+
+    @property
+    def num_requests_running(self) -> int:
+        return self.scheduler.num_requests_running
+
+    @property
+    def num_requests_waiting(self) -> int:
+        return self.scheduler.num_requests_waiting
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.scheduler.kv_cache_usage
+
+    @property
+    def step_tokens(self) -> int:
+        return self.scheduler.step_tokens

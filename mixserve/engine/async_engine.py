@@ -275,8 +275,7 @@ class AsyncEngine:
         send_batch(outgoing)
 
     def _observe_stats(self, *, stepped: bool) -> None:
-        stats = self.llm.stats()
-        stats = getattr(stats, "scheduler", stats)  # EngineStats may wrap the SchedulerStats
+        stats = self.llm.stats()  # EngineStats: the gauges and every counter of /metrics come from it
         pending = self._inbox.set_scheduler_waiting(stats.num_requests_waiting)
         if self.metrics is not None:
             self.metrics.observe_stats(stats, stepped=stepped, extra_waiting=pending)

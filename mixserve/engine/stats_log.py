@@ -9,39 +9,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from mixserve.core import SchedulerStats
+from mixserve.core.stats import EngineStats  # the data; this module formats it
 
 log = logging.getLogger("mixserve.engine")
 LOG_INTERVAL_S = 10.0
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Scheduler state plus the engine's counters (totals since start)."""
-
-    scheduler: SchedulerStats
-    num_steps: int
-    num_prompt_tokens_total: int  # prompt tokens of requests that got their first token
-    num_generation_tokens_total: int
-    num_preemptions_total: int
-
-    @property
-    def num_requests_running(self) -> int:
-        return self.scheduler.num_requests_running
-
-    @property
-    def num_requests_waiting(self) -> int:
-        return self.scheduler.num_requests_waiting
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return self.scheduler.kv_cache_usage
-
-    @property
-    def step_tokens(self) -> int:
-        return self.scheduler.step_tokens
 
 
 def _pct(part: int, whole: int) -> str:

@@ -26,8 +26,9 @@ class EngineBusyError(RuntimeError):
 
 @dataclass
 class Tracked:
-    """Where one live request's updates go (its queue on its event loop), and the two facts of it the
-    metrics need that the updates do not carry. Its times are the engine's: the updates bring them."""
+    """Where one live request's updates go (its queue on its event loop), what the step thread hands the
+    engine (prompt, params) and the arrival TTFT is measured from. Its times are the engine's (the updates
+    bring them), and so are the token counts (EngineStats)."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
@@ -37,18 +38,17 @@ class Tracked:
     loop: asyncio.AbstractEventLoop
 
     def observe(self, update: Any, metrics: Any | None) -> None:
-        """The update's tokens into the metrics, on the engine's clock: TTFT for a request's first token
-        (choice 0's), a gap for every later one."""
+        """The update's token times into the latency histograms, on the engine's clock: TTFT for a
+        request's first token (choice 0's), a gap for every later one."""
         times = update.token_times
         if metrics is None or not times:
             return
         if update.prev_token_time is not None:
             metrics.observe_token_gap(times[0] - update.prev_token_time)
         elif update.index == 0:
-            metrics.observe_first_token(times[0] - self.arrival, len(self.prompt_token_ids))
+            metrics.observe_first_token(times[0] - self.arrival)
         for earlier, later in zip(times, times[1:], strict=False):
             metrics.observe_token_gap(later - earlier)
-        metrics.observe_generated(len(times))
 
     def send(self, item: Any) -> None:
         try:

@@ -1,4 +1,10 @@
-"""The metrics of DESIGN.md section 5, on a registry of their own (never the process-global one)."""
+"""The metrics of DESIGN.md section 5, on a registry of their own (never the process-global one).
+
+Every counter is the engine's: the step loop hands over an `EngineStats` (totals since the engine was
+built) and each counter goes up by the difference from the last total seen, so /metrics and the engine's
+log line count the same tokens. The histograms are fed per request, on the engine's clock (the updates'
+token times).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+from mixserve.core.stats import EngineStats, SchedulerStats
 
 # Buckets as vLLM's, so dashboards and alerts written for it read ours the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -41,9 +49,11 @@ class ServerMetrics:
         self.waiting = Gauge("mixserve:num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
         self.kv_usage = Gauge("mixserve:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
                               registry=r)
-        self.prompt_tokens = Counter("mixserve:prompt_tokens", "Prompt tokens of requests admitted.",
+        self.prompt_tokens = Counter("mixserve:prompt_tokens",
+                                     "Prompt tokens of requests that got a first token (once per request).",
                                      registry=r)
-        self.generation_tokens = Counter("mixserve:generation_tokens", "Output tokens generated.", registry=r)
+        self.generation_tokens = Counter("mixserve:generation_tokens", "Output tokens (every choice).",
+                                         registry=r)
         self.preemptions = Counter("mixserve:num_preemptions", "Requests preempted to free KV blocks.",
                                    registry=r)
         self.prefix_queries = Counter("mixserve:prefix_cache_queries",
@@ -51,12 +61,11 @@ class ServerMetrics:
                                       registry=r)
         self.prefix_hits = Counter("mixserve:prefix_cache_hits",
                                    "Of those, tokens whose KV came from the prefix cache.", registry=r)
-        self._prefix_seen = (0, 0)
         self.step_tokens = Histogram("mixserve:step_tokens", "Tokens (decodes + prefill chunks) per step.",
                                      buckets=STEP_TOKEN_BUCKETS, registry=r)
         self.engine_restarts = Counter("mixserve:engine_restarts", "Failed steps that restarted the engine.",
                                        registry=r)
-        self._preemptions_seen = 0
+        self._totals_seen: dict[Counter, int] = {}  # the engine's totals at the last observe_stats
         # the step cost model, while a TPOT target is on (README: A latency target instead of a token budget)
         self.step_predicted = Gauge("mixserve:step_cost_predicted_seconds",
                                     "The last step's duration as the cost model predicted it.", registry=r)
@@ -70,19 +79,22 @@ class ServerMetrics:
                                       "per_token_s * tokens + per_pair_s * pairs.",
                                       ["term"], registry=r)
 
-    # -- scheduler side: called by the step loop after each step (or after draining adds/aborts)
-    def observe_stats(self, stats: Any, *, stepped: bool, extra_waiting: int = 0) -> None:
-        """Set the gauges from a `SchedulerStats`-like snapshot; `stepped` records its step's tokens."""
+    # -- engine side: called by the step loop after each step (or after draining adds/aborts)
+    def observe_stats(self, stats: EngineStats | SchedulerStats, *, stepped: bool,
+                      extra_waiting: int = 0) -> None:
+        """Set the gauges and advance the counters from the engine's snapshot (a bare SchedulerStats has
+        no token totals: the token counters stay); `stepped` records its step's tokens."""
+        engine = stats if isinstance(stats, EngineStats) else None
+        stats = stats.scheduler if isinstance(stats, EngineStats) else stats
         self.running.set(stats.num_requests_running)
         self.waiting.set(stats.num_requests_waiting + extra_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
-        # the scheduler counts preemptions since it was built; a Counter only goes up by the difference
-        delta = stats.num_preemptions - self._preemptions_seen
-        if delta > 0:
-            self.preemptions.inc(delta)
-        self._preemptions_seen = max(self._preemptions_seen, stats.num_preemptions)
-        self._observe_prefix_cache(getattr(stats, "prefix_cache_queries", 0),
-                                   getattr(stats, "prefix_cache_hits", 0))
+        totals = {self.preemptions: stats.num_preemptions, self.prefix_queries: stats.prefix_cache_queries,
+                  self.prefix_hits: stats.prefix_cache_hits}
+        if engine is not None:
+            totals[self.prompt_tokens] = engine.num_prompt_tokens_total
+            totals[self.generation_tokens] = engine.num_generation_tokens_total
+        self._count_totals(totals)
         if stepped and stats.step_tokens > 0:
             self.step_tokens.observe(stats.step_tokens)
         if stepped:
@@ -101,28 +113,23 @@ class ServerMetrics:
             if predicted > 0:
                 self.step_cost_ratio.observe(actual / predicted)
 
-    def _observe_prefix_cache(self, queries: int, hits: int) -> None:
-        # totals since the scheduler was built; a smaller total means a new scheduler (a restarted
-        # engine), whose whole total is new
-        seen_q, seen_h = self._prefix_seen
-        if queries < seen_q or hits < seen_h:
-            seen_q = seen_h = 0
-        if queries > seen_q:
-            self.prefix_queries.inc(queries - seen_q)
-        if hits > seen_h:
-            self.prefix_hits.inc(hits - seen_h)
-        self._prefix_seen = (queries, hits)
+    def _count_totals(self, totals: dict[Counter, int]) -> None:
+        """Advance each counter to the engine's total. A Counter only goes up, by the difference; a total
+        below the last one seen is a new engine (or scheduler), whose whole total is new."""
+        for counter, total in totals.items():
+            seen = self._totals_seen.get(counter, 0)
+            if total < seen:
+                seen = 0
+            if total > seen:
+                counter.inc(total - seen)
+            self._totals_seen[counter] = total
 
-    # -- request side
-    def observe_first_token(self, ttft: float, prompt_tokens: int) -> None:
+    # -- request side: latencies only (the token counts come from the engine's totals)
+    def observe_first_token(self, ttft: float) -> None:
         self.ttft.observe(max(ttft, 0.0))
-        self.prompt_tokens.inc(prompt_tokens)
 
     def observe_token_gap(self, gap: float) -> None:
         self.tpot.observe(max(gap, 0.0))
-
-    def observe_generated(self, num_tokens: int) -> None:
-        self.generation_tokens.inc(num_tokens)
 
     def observe_finished(self, e2e: float) -> None:
         self.e2e.observe(max(e2e, 0.0))

@@ -151,6 +151,10 @@ def test_step_trace_and_counters(make_llm, tmp_path: Path) -> None:
     assert stats.num_steps == len(lines)
     assert stats.num_generation_tokens_total == sum(len(o.token_ids) for o in outs)
     assert stats.num_prompt_tokens_total == sum(map(len, ps))
+    llm.generate(ps[:1], SamplingParams(max_tokens=2, temperature=0, n=3, ignore_eos=True))  # counted once
+    after = llm.engine.stats()
+    assert after.num_prompt_tokens_total - stats.num_prompt_tokens_total == len(ps[0])
+    assert after.num_generation_tokens_total - stats.num_generation_tokens_total == 3 * 2
     for o in outs:
         m = o.metrics
         assert m.arrival <= m.first_token <= m.finished and len(m.token_times) == len(o.token_ids)

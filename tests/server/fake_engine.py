@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from mixserve.core.stats import SchedulerStats
+from mixserve.core.stats import EngineStats, SchedulerStats
 from mixserve.engine.outputs import RequestUpdate, TokenLogprobs
 
 EOS = 26
@@ -70,6 +70,7 @@ class FakeEngine:
         self.hold_back_text = False  # as a detokenizer holding an unfinished character: text only at the end
         self.steps = 0
         self.last_step_tokens = 0
+        self.prompt_tokens_total = self.generation_tokens_total = 0  # as LLMEngine's: /metrics reads them
         self._lock = threading.Lock()  # the tests read the tables from their own thread
         self.waiting: dict[str, _Req] = {}
         self.running: dict[str, _Req] = {}
@@ -122,6 +123,9 @@ class FakeEngine:
                 token = (req.tokens[-1] + 1) % 26
                 req.tokens.append(token)
                 req.generated.append(token)
+                self.generation_tokens_total += 1
+                if len(req.generated) == 1:
+                    self.prompt_tokens_total += len(req.tokens) - 1
                 req.blocks = math.ceil(len(req.tokens) / self.runner.block_size)
                 done = len(req.generated) >= req.params.max_tokens
                 lp = None
@@ -139,11 +143,13 @@ class FakeEngine:
                 req.last_time = now
         return updates
 
-    def stats(self) -> SchedulerStats:
+    def stats(self) -> EngineStats:
         with self._lock:
             used = sum(r.blocks for r in self.running.values())
-            return SchedulerStats(len(self.running), len(self.waiting), self.runner.num_blocks,
-                                  self.runner.num_blocks - used, 0, self.last_step_tokens, 0)
+            scheduler = SchedulerStats(len(self.running), len(self.waiting), self.runner.num_blocks,
+                                       self.runner.num_blocks - used, 0, self.last_step_tokens, 0)
+            return EngineStats(scheduler, self.steps, self.prompt_tokens_total, self.generation_tokens_total,
+                               num_preemptions_total=0)
 
 
 def make_app(fake: FakeEngine | None = None, *, max_engine_restarts: int = 3, **server_cfg: Any) -> Any:

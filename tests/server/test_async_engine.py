@@ -193,14 +193,11 @@ def test_metrics_read_the_engines_clock_from_the_updates():
     seen: list[tuple[str, float]] = []
 
     class Recorder:
-        def observe_first_token(self, ttft, prompt_tokens):
+        def observe_first_token(self, ttft):
             seen.append(("ttft", round(ttft, 6)))
 
         def observe_token_gap(self, gap):
             seen.append(("gap", round(gap, 6)))
-
-        def observe_generated(self, n):
-            seen.append(("tokens", n))
 
     tracked = Tracked("r", [1, 2, 3], None, 10.0, None, None)  # type: ignore[arg-type]
     first = RequestUpdate("r", [5], "a", False, None, None, None, token_times=(10.5,))
@@ -209,4 +206,36 @@ def test_metrics_read_the_engines_clock_from_the_updates():
     sibling = RequestUpdate("r", [8], "d", False, None, None, None, index=1, token_times=(10.6,))
     for update in (first, later, sibling):
         tracked.observe(update, Recorder())
-    assert seen == [("ttft", 0.5), ("tokens", 1), ("gap", 0.25), ("gap", 0.25), ("tokens", 2), ("tokens", 1)]
+    assert seen == [("ttft", 0.5), ("gap", 0.25), ("gap", 0.25)]  # the sibling's first token: no TTFT
+
+
+def test_token_counters_are_the_engines_totals():
+    from mixserve.core.stats import EngineStats, SchedulerStats
+
+    m = ServerMetrics()
+    value = m.registry.get_sample_value
+    sched = SchedulerStats(1, 0, 64, 60, 2, 1, 0)
+    m.observe_stats(EngineStats(sched, 1, 10, 3, 2), stepped=True)
+    m.observe_stats(EngineStats(sched, 2, 10, 5, 2), stepped=True)
+    counts = ("prompt_tokens_total", "generation_tokens_total", "num_preemptions_total")
+    assert [value(f"mixserve:{c}") for c in counts] == [10, 5, 2]
+    m.observe_stats(EngineStats(sched, 1, 4, 1, 2), stepped=True)  # a smaller total: a new engine's, all new
+    m.observe_stats(sched, stepped=False)  # a bare SchedulerStats carries no token totals: they stay
+    assert [value(f"mixserve:{c}") for c in counts] == [14, 6, 2]
+
+
+def test_metrics_count_what_the_engine_counts_not_what_the_streams_saw():
+    metrics = ServerMetrics()
+    fake = FakeEngine()
+
+    async def main():
+        engine = AsyncEngine(fake, metrics)
+        await drain(engine, "a", [0, 1, 2], 4)
+        fake.generation_tokens_total += 7  # tokens no stream saw (as a request aborted mid-step)
+        await drain(engine, "b", [0], 1)
+        await engine.stop(1.0)
+
+    asyncio.run(main())
+    value = metrics.registry.get_sample_value
+    assert value("mixserve:generation_tokens_total") == fake.stats().num_generation_tokens_total == 4 + 7 + 1
+    assert value("mixserve:prompt_tokens_total") == fake.stats().num_prompt_tokens_total == 3 + 1
