@@ -14,15 +14,21 @@ PROMPT = list(range(3, 40))
 
 
 def record_at_retire(engine: Any) -> dict[str, list[int]]:
-    """The scheduler's tokens (prompt + generated) of each request as the engine retires it."""
+    """The scheduler's tokens (prompt + generated) of each request as the engine retires it; fails on a
+    second retire of one request, or on the engine calling finish (one retire path: abort, once)."""
     seen: dict[str, list[int]] = {}
     abort = engine.scheduler.abort
 
     def snapshot_then_abort(request_id: str) -> None:
+        assert request_id not in seen, f"{request_id} retired twice"
         seen[request_id] = engine.scheduler.tokens(request_id)
         abort(request_id)
 
+    def no_finish(request_id: str) -> None:
+        raise AssertionError(f"the engine called finish({request_id!r}): it retires through abort only")
+
     engine.scheduler.abort = snapshot_then_abort
+    engine.scheduler.finish = no_finish
     return seen
 
 
@@ -68,3 +74,14 @@ def test_a_retired_request_leaves_no_record_behind(make_llm):
         with pytest.raises(KeyError):
             engine.scheduler.request(internal)
     assert not engine._requests and not engine.has_unfinished()
+
+
+def test_an_abort_retires_every_choice_once_and_a_late_abort_is_a_no_op(make_llm):
+    engine = make_llm().engine
+    seen = record_at_retire(engine)
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=20, temperature=0, n=2, ignore_eos=True))
+    while not any(u.index == 1 for u in engine.step()):  # until choice 1 has joined and sampled
+        pass
+    engine.abort("a")
+    engine.abort("a")
+    assert sorted(seen) == ["a", f"a{SEPARATOR}1"] and not engine.has_unfinished()
