@@ -35,6 +35,12 @@ def register(subparsers: Any) -> None:
                        help="[server].max_engine_restarts")
     group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="[server].served_model_name: the names clients may use (the first is reported)")
+    group.add_argument("--role", default=None, choices=["both", "prefill", "decode"],
+                       help="[server].role: disaggregated prefill (decode = the front clients talk to)")
+    group.add_argument("--kv-peer", default=None, metavar="HOST:PORT",
+                       help="[server].kv_peer: where the prefill instance hosts the KV link")
+    group.add_argument("--kv-peer-timeout", default=None, metavar="SECONDS",
+                       help="[server].kv_peer_timeout_s: KV not back by then is prefilled on the decode side")
     group.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, how long in-flight requests may still run before they are aborted")
     group.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -52,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
             "body_timeout_s": _number_flag("--body-timeout", args.body_timeout, float),
             "step_timeout_s": _number_flag("--step-timeout", args.step_timeout, float),
             "max_engine_restarts": _number_flag("--max-engine-restarts", args.max_engine_restarts),
-            "served_model_name": args.served_model_name,
+            "served_model_name": args.served_model_name, "role": args.role, "kv_peer": args.kv_peer,
+            "kv_peer_timeout_s": _number_flag("--kv-peer-timeout", args.kv_peer_timeout, float),
         }
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:
@@ -62,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
     # mixserve's own lines (the engine's periodic stats line at info) at the level uvicorn gets
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     # torch-side imports after the config is known good: a bad flag fails fast
+    from mixserve.disagg import roles
     from mixserve.engine.async_engine import AsyncEngine
-    from mixserve.engine.llm_engine import LLMEngine
     from mixserve.engine.supervision import Failpoint
     from mixserve.metrics import ServerMetrics
     from mixserve.server import create_app
@@ -74,11 +81,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"mixserve serve: {exc}", file=sys.stderr)
         return 2
     try:
-        llm = LLMEngine.from_config(cfg.engine)
+        roles.check_role(cfg)
+    except ValueError as exc:
+        print(f"mixserve serve: {exc}", file=sys.stderr)
+        return 2
+    try:  # role both: LLMEngine.from_config; prefill or decode: the same, then the KV link (disagg/)
+        role = roles.build(cfg)
+    except ConnectionError as exc:  # the other instance of a disaggregated pair never came
+        print(f"mixserve serve: {exc}", file=sys.stderr)
+        return 1
     except (OSError, ValueError) as exc:  # a missing or unreadable model, a bad setting for this model
         print(f"mixserve serve: cannot load the model: {exc}", file=sys.stderr)
         return 1
-    engine = AsyncEngine(llm, ServerMetrics(), step_timeout_s=cfg.server.step_timeout_s,
+    engine = AsyncEngine(role.engine, ServerMetrics(), role.idle_timeout_s,
+                         step_timeout_s=cfg.server.step_timeout_s,
                          max_engine_restarts=cfg.server.max_engine_restarts, failpoint=failpoint)
     app = create_app(engine, cfg.server, shutdown_timeout=args.shutdown_timeout)
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=args.log_level,

@@ -47,6 +47,9 @@ class ServerConfig:
     step_timeout_s: float = 0.0
     max_engine_restarts: int = 3
     served_model_name: list[str] = field(default_factory=list)  # names clients may use; [] = the model's
+    role: str = "both"  # disaggregated prefill: both | prefill | decode (mixserve/disagg/)
+    kv_peer: str = ""  # HOST:PORT of the KV link, hosted by the prefill instance
+    kv_peer_timeout_s: float = 60.0  # KV not back by then: the decode instance prefills the prompt itself
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,69 @@
+"""Greedy outputs through a prefill engine plus a decode engine equal one `both` engine's, token for token,
+with chunked and whole prompts, and the decode side waits (never drops) when its blocks run short."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mixserve.disagg.kv_blocks import num_full_blocks
+from mixserve.engine.llm_engine import LLMEngine
+from mixserve.engine.sampling_params import SamplingParams
+from tests.disagg.conftest import BLOCK_SIZE, options, run_both, run_pair, tiny_runner
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+# lengths around block boundaries: 3 has no full block to hand over (served locally), 16 and 17 end on
+# and just past a block, 61 spans several chunks
+LENGTHS = [3, 9, 16, 17, 30, 61]
+
+
+def prompts(lengths: list[int], salt: int = 0) -> list[list[int]]:
+    return [[(7 * i + 13 * n + 31 * k + salt) % 300 + 5 for i in range(n)] for k, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("chunk", [8, 0], ids=["chunked", "whole"])
+def test_greedy_outputs_equal_one_both_engine(make_pair, tiny_model_dir: Path, chunk: int):
+    cfg = options(num_blocks=256, prefill_chunk=chunk, max_batch_tokens=64 if chunk == 0 else 32)
+    batch = prompts(LENGTHS)
+    both = run_both(LLMEngine(tiny_runner(tiny_model_dir, 256), cfg), batch, GREEDY)
+    prefill, decode = make_pair(cfg, cfg)
+    paired = run_pair(prefill, decode, batch, GREEDY)
+    assert paired == both
+    handed_over = sum(num_full_blocks(n, BLOCK_SIZE) > 0 for n in LENGTHS)
+    assert decode.num_imported == prefill.num_shipped == handed_over  # the KV really crossed the link
+    assert decode.num_local == len(LENGTHS) - handed_over and decode.num_fallbacks == 0
+    assert decode.pool.num_held() == 0  # every hold and every request's blocks given back
+    decode.pool.check()
+
+
+def test_seeded_sampling_equals_one_both_engine(make_pair, tiny_model_dir: Path):
+    cfg = options(num_blocks=256, prefill_chunk=8, max_batch_tokens=32)
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
+    batch = prompts([21, 40], salt=3)
+    both = run_both(LLMEngine(tiny_runner(tiny_model_dir, 256), cfg), batch, params)
+    prefill, decode = make_pair(cfg, cfg)
+    assert run_pair(prefill, decode, batch, params) == both
+
+
+def test_the_decode_side_waits_for_free_blocks_and_drops_nothing(make_pair, tiny_model_dir: Path):
+    # 16 blocks of 4 on the decode side: once A (40-token prompt, 9 full blocks) is imported, 7 are free,
+    # and B's 9 (+1 for its tail) cannot come in until A (growing to 15 blocks) has finished
+    long_out = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    batch = prompts([40, 40], salt=9)
+    big, small = options(num_blocks=256, prefill_chunk=8), options(num_blocks=16, prefill_chunk=8)
+    expected = run_both(LLMEngine(tiny_runner(tiny_model_dir, 16), small), batch, long_out)
+    prefill, decode = make_pair(big, small)
+    seen_waiting = []
+
+    def watch() -> None:
+        waiting = [r for r in decode._remote.values() if r.payload is not None]
+        if waiting:  # arrived, not imported (this step's end may have freed blocks for the next one)
+            seen_waiting.append((decode.pool.num_free() < waiting[0].num_blocks + 1,
+                                 decode.stats().scheduler.num_requests_waiting))
+
+    got = run_pair(prefill, decode, batch, long_out, on_step=watch)
+    assert got == expected
+    assert sum(short for short, _ in seen_waiting) >= 3  # it waited several steps for blocks
+    assert all(n >= 1 for _, n in seen_waiting)  # counted as waiting meanwhile
+    assert decode.num_imported == 2 and decode.num_fallbacks == 0
