@@ -35,12 +35,12 @@ import torch
 from mixserve.config import EngineConfig
 from mixserve.core.prefix_cache import PrefixCachingPool, chain_keys
 from mixserve.core.request import Status
+from mixserve.core.stats import EngineStats
 from mixserve.disagg.kv_blocks import num_full_blocks, scatter_blocks
 from mixserve.disagg.link import KVLink, PeerLostError
 from mixserve.engine.llm_engine import LLMEngine, RequestError
 from mixserve.engine.outputs import RequestUpdate
 from mixserve.engine.sampling_params import SamplingParams
-from mixserve.engine.stats_log import EngineStats
 
 logger = logging.getLogger(__name__)
 
