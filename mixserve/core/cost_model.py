@@ -14,10 +14,12 @@ from pathlib import Path
 # thousands of tokens and millions of (token, position) pairs.
 TOKEN_SCALE = 1e3
 PAIR_SCALE = 1e6
+SEQ_SCALE = 1e2
+NUM_FEATURES = 4  # 1, tokens, pairs, sequences
 # Each size bucket (tokens per step, by powers of two) forgets with this window (in its own steps): a run
 # of many decode-only steps then cannot wash out what the rarer big prefill steps taught the fit.
 DEFAULT_WINDOW = 64
-FORMAT = "mixserve-step-cost/1"
+FORMAT = "mixserve-step-cost/2"  # /2: per_seq_s; a /1 file loads (per_seq_s 0)
 # How fast predictions follow a machine that turns slower or faster (another process taking cores): an
 # average of the measured / predicted ratio of the last planned steps (decodes and chunks: the ones the
 # budget sizes) scales every prediction the budget uses. The fit alone follows only as fast as its windows,
@@ -35,14 +37,23 @@ def attended_pairs(start: int, length: int) -> int:
 
 @dataclass(frozen=True)
 class StepFeatures:
-    """What the cost of a step depends on: its tokens and the context they attend to."""
+    """What the cost of a step depends on: its tokens, the context they attend to, and its sequences.
+
+    The sequences are a feature of their own because a decode costs more than a prompt token: each
+    sequence is one more row to sample and detokenize and one more attention call, paid per row and not
+    per token. Fitted on the steps of full-M-2's target run (bench/results/tpot-target), the model without
+    it put decode-only steps of 16-31 streams at 0.84x their measured time and of 1-7 streams at 1.34x;
+    with it, 1.00x and 1.08x (mixed steps 1.00x either way).
+    """
 
     num_tokens: int = 0
     num_pairs: int = 0
+    num_seqs: int = 0
 
     def plus(self, start: int, length: int) -> StepFeatures:
         """These features with one more sequence of `length` tokens at positions `start ..`."""
-        return StepFeatures(self.num_tokens + length, self.num_pairs + attended_pairs(start, length))
+        return StepFeatures(self.num_tokens + length, self.num_pairs + attended_pairs(start, length),
+                            self.num_seqs + 1)
 
 
 def step_features(seqs: Iterable[tuple[int, int]]) -> StepFeatures:
@@ -55,36 +66,39 @@ def step_features(seqs: Iterable[tuple[int, int]]) -> StepFeatures:
 
 @dataclass(frozen=True)
 class CostCoefficients:
-    """Step time = overhead_s + per_token_s * tokens + per_pair_s * attended (token, position) pairs."""
+    """Step time = overhead_s + per_token_s * tokens + per_pair_s * attended (token, position) pairs
+    + per_seq_s * sequences."""
 
     overhead_s: float = 0.0
     per_token_s: float = 0.0
     per_pair_s: float = 0.0
+    per_seq_s: float = 0.0
 
     def predict(self, f: StepFeatures) -> float:
-        return self.overhead_s + self.per_token_s * f.num_tokens + self.per_pair_s * f.num_pairs
+        return self.overhead_s + self.per_token_s * f.num_tokens + self.per_pair_s * f.num_pairs + \
+            self.per_seq_s * f.num_seqs
 
     def as_list(self) -> list[float]:
-        return [self.overhead_s, self.per_token_s, self.per_pair_s]
+        return [self.overhead_s, self.per_token_s, self.per_pair_s, self.per_seq_s]
 
 
-def _x(f: StepFeatures) -> tuple[float, float, float]:
-    return (1.0, f.num_tokens / TOKEN_SCALE, f.num_pairs / PAIR_SCALE)
+def _x(f: StepFeatures) -> tuple[float, ...]:
+    return (1.0, f.num_tokens / TOKEN_SCALE, f.num_pairs / PAIR_SCALE, f.num_seqs / SEQ_SCALE)
 
 
 @dataclass
 class _Bucket:
     """Decayed least-squares sums (X'X, X'y, y'y) of the steps of one size range."""
 
-    xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
-    xy: list[float] = field(default_factory=lambda: [0.0] * 3)
+    xx: list[list[float]] = field(default_factory=lambda: [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)])
+    xy: list[float] = field(default_factory=lambda: [0.0] * NUM_FEATURES)
     yy: float = 0.0
     weight: float = 0.0
 
-    def add(self, x: tuple[float, float, float], y: float, decay: float) -> None:
-        for i in range(3):
+    def add(self, x: tuple[float, ...], y: float, decay: float) -> None:
+        for i in range(NUM_FEATURES):
             self.xy[i] = self.xy[i] * decay + x[i] * y
-            for j in range(3):
+            for j in range(NUM_FEATURES):
                 self.xx[i][j] = self.xx[i][j] * decay + x[i] * x[j]
         self.yy = self.yy * decay + y * y
         self.weight = self.weight * decay + 1.0
@@ -110,18 +124,19 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 
 def nonnegative_fit(xx: list[list[float]], xy: list[float], yy: float) -> list[float]:
-    """The least-squares coefficients >= 0 (exact for three features: the best of every feature subset)."""
-    best, best_sse = [0.0, 0.0, 0.0], yy
-    for k in (3, 2, 1):
-        for subset in combinations(range(3), k):
+    """The least-squares coefficients >= 0 (exact for a few features: the best of every feature subset)."""
+    n = len(xy)
+    best, best_sse = [0.0] * n, yy
+    for k in range(n, 0, -1):
+        for subset in combinations(range(n), k):
             sol = _solve([[xx[i][j] for j in subset] for i in subset], [xy[i] for i in subset])
             if sol is None or any(c < 0 for c in sol):
                 continue
-            c = [0.0, 0.0, 0.0]
+            c = [0.0] * n
             for i, v in zip(subset, sol, strict=True):
                 c[i] = v
-            sse = yy - 2 * sum(c[i] * xy[i] for i in range(3)) + sum(
-                c[i] * xx[i][j] * c[j] for i in range(3) for j in range(3))
+            sse = yy - 2 * sum(c[i] * xy[i] for i in range(n)) + sum(
+                c[i] * xx[i][j] * c[j] for i in range(n) for j in range(n))
             if sse < best_sse - 1e-15:
                 best, best_sse = c, sse
     return best
@@ -170,17 +185,23 @@ class StepCostModel:
         if not self._buckets:
             return self.prior
         if self._fit is None:
-            xx = [[sum(b.xx[i][j] for b in self._buckets.values()) for j in range(3)] for i in range(3)]
-            xy = [sum(b.xy[i] for b in self._buckets.values()) for i in range(3)]
-            c = nonnegative_fit(xx, xy, sum(b.yy for b in self._buckets.values()))
-            self._fit = CostCoefficients(c[0], c[1] / TOKEN_SCALE, c[2] / PAIR_SCALE)
+            self._fit = self.fit(NUM_FEATURES)
         return self._fit
+
+    def fit(self, num_features: int = NUM_FEATURES) -> CostCoefficients:
+        """The fit of the observed steps on the first `num_features` features (3: without sequences, the
+        model before per_seq_s, for comparing the two on the same steps)."""
+        n, buckets = num_features, self._buckets.values()
+        xx = [[sum(b.xx[i][j] for b in buckets) for j in range(n)] for i in range(n)]
+        xy = [sum(b.xy[i] for b in buckets) for i in range(n)]
+        c = nonnegative_fit(xx, xy, sum(b.yy for b in buckets)) + [0.0] * (NUM_FEATURES - n)
+        return CostCoefficients(c[0], c[1] / TOKEN_SCALE, c[2] / PAIR_SCALE, c[3] / SEQ_SCALE)
 
     @property
     def budget_coefficients(self) -> CostCoefficients:
         """The fit scaled by the recent drift: what the budget plans with (the file keeps the fit)."""
         c, d = self.coefficients, self.drift
-        return c if d == 1.0 else CostCoefficients(c.overhead_s * d, c.per_token_s * d, c.per_pair_s * d)
+        return c if d == 1.0 else CostCoefficients(*(x * d for x in c.as_list()))
 
     def predict(self, f: StepFeatures) -> float:
         """The time the budget expects a step of `f` to take now (the fit times the drift)."""
@@ -198,11 +219,14 @@ class StepCostModel:
     def from_dict(cls, d: dict) -> StepCostModel:
         """The inverse of to_dict; ValueError (one line) for a file that is not a cost model."""
         try:
-            coeffs = CostCoefficients(float(d["overhead_s"]), float(d["per_token_s"]), float(d["per_pair_s"]))
+            coeffs = CostCoefficients(float(d["overhead_s"]), float(d["per_token_s"]), float(d["per_pair_s"]),
+                                      float(d.get("per_seq_s", 0.0)))  # 0: a file of before per_seq_s
             model = cls(coeffs, int(d.get("window", DEFAULT_WINDOW)))
             for k, b in (d.get("buckets") or {}).items():
                 xx = [[float(v) for v in row] for row in b["xx"]]
                 xy = [float(v) for v in b["xy"]]
+                if len(xy) != NUM_FEATURES:  # the sums of an older model's features: it predicts by its
+                    continue  # coefficients (the prior) until this run's steps refit it
                 model._buckets[int(k)] = _Bucket(xx, xy, float(b["yy"]), float(b["weight"]))
             model.num_samples = int(d.get("num_samples", 0))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -247,13 +271,13 @@ class TpotBudget:
         """SchedulerStats' cost fields: the last step's predicted and measured time, the coefficients."""
         m = self.model
         return {"step_predicted_s": m.last_predicted_s, "step_actual_s": m.last_actual_s,
-                "cost_coefficients": tuple(m.coefficients.as_list())}
+                "cost_coefficients": tuple(m.coefficients.as_list()[:3])}  # /metrics' terms
 
     def chunk_budget(self, step: StepFeatures, start: int, budget_left: int) -> int:
         """The largest chunk length <= budget_left, at positions `start ..`, that keeps the step's
         predicted time within the target (0 if even one token would not)."""
         c = self.model.budget_coefficients
-        time_left = self.target_s - c.predict(step)
+        time_left = self.target_s - c.predict(step) - c.per_seq_s  # the chunk is one more sequence
         if time_left < 0 or budget_left <= 0:
             return 0
         # c.tok*L + c.pair*(L*start + L(L+1)/2) <= time_left: a quadratic increasing in L

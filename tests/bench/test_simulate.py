@@ -10,7 +10,7 @@ import pytest
 from mixserve.bench.simulate import SimSettings, load_requests, simulate
 from mixserve.bench.workload import RequestSpec, workload_m
 from mixserve.cli import main
-from mixserve.core.cost_model import CostCoefficients, StepFeatures, attended_pairs
+from mixserve.core.cost_model import CostCoefficients, StepCostModel, StepFeatures, attended_pairs
 
 COST = CostCoefficients(overhead_s=0.03, per_token_s=0.0012, per_pair_s=2e-8)
 
@@ -40,6 +40,23 @@ def test_one_request_alone_takes_what_the_model_says():
     decode2 = COST.predict(StepFeatures(1, 102))
     expected = [prefill, prefill + decode1, prefill + decode1 + decode2]
     assert run.results[0].token_times == pytest.approx(expected)
+
+
+def test_a_decode_step_costs_its_sequences_as_the_engine_measures_them(tmp_path: Path):
+    """The engine's step time grows with its rows (sampling, detokenizing): a cost model file with
+    per_seq_s makes simulated decode-only steps longer with every stream, as measured steps are; a file
+    from before per_seq_s (no such key) simulates as it did."""
+    specs = [RequestSpec(i, 0.0, [], 50, 20) for i in range(8)]
+    per_seq = CostCoefficients(overhead_s=0.03, per_token_s=0.0012, per_pair_s=2e-8, per_seq_s=0.002)
+    run = simulate(specs, per_seq, SimSettings(prefill_chunk=0, max_batch_tokens=512))
+    decode = [s for s in run.steps if s.prefill_tokens == 0]
+    assert decode and all(s.decode_tokens == 8 for s in decode)
+    assert decode[0].duration_s == pytest.approx(COST.predict(StepFeatures(8, 8 * 51)) + 8 * 0.002)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"overhead_s": 0.03, "per_token_s": 0.0012, "per_pair_s": 2e-8}))
+    old = simulate(specs, StepCostModel.load(path).coefficients, SimSettings(prefill_chunk=0,
+                                                                              max_batch_tokens=512))
+    assert old.steps == simulate(specs, COST, SimSettings(prefill_chunk=0, max_batch_tokens=512)).steps
 
 
 def test_the_target_keeps_every_gap_within_it_and_chunks_more_than_prefill_chunk():
