@@ -41,6 +41,8 @@ def register(subparsers: Any) -> None:
                        help="[server].kv_peer: where the prefill instance hosts the KV link")
     group.add_argument("--kv-peer-timeout", default=None, metavar="SECONDS",
                        help="[server].kv_peer_timeout_s: KV not back by then is prefilled on the decode side")
+    group.add_argument("--kv-peer-min-tokens", default=None, metavar="INT",
+                       help="[server].kv_peer_min_tokens: shorter prompts are prefilled on the decode side")
     group.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, how long in-flight requests may still run before they are aborted")
     group.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -60,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
             "max_engine_restarts": _number_flag("--max-engine-restarts", args.max_engine_restarts),
             "served_model_name": args.served_model_name, "role": args.role, "kv_peer": args.kv_peer,
             "kv_peer_timeout_s": _number_flag("--kv-peer-timeout", args.kv_peer_timeout, float),
+            "kv_peer_min_tokens": _number_flag("--kv-peer-min-tokens", args.kv_peer_min_tokens),
         }
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:

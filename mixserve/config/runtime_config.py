@@ -50,6 +50,7 @@ class ServerConfig:
     role: str = "both"  # disaggregated prefill: both | prefill | decode (mixserve/disagg/)
     kv_peer: str = ""  # HOST:PORT of the KV link, hosted by the prefill instance
     kv_peer_timeout_s: float = 60.0  # KV not back by then: the decode instance prefills the prompt itself
+    kv_peer_min_tokens: int = 0  # prompts with fewer uncached tokens are prefilled on the decode instance
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,12 @@ it ships back, and serves the stream from there.
 A DecodeEngine is an LLMEngine, so the server drives it as any engine; only `add_request`, `abort`,
 `has_unfinished` and `step` gain a stage before admission:
   1. add_request validates the prompt and posts it to the prefill instance (nothing is admitted yet). A
-     prompt with no full block to hand over (shorter than block_size + 1), a later choice of n > 1, or
-     one whose full blocks are all in the local prefix cache already is admitted at once, as on `both`.
+     prompt with no full block to hand over (shorter than block_size + 1), a later choice of n > 1, one
+     whose full blocks are all in the local prefix cache already, or one with fewer uncached tokens than
+     kv_peer_min_tokens is admitted at once, as on `both`. That last rule (default 0: off, every prompt
+     goes out, as issue 16 asks) is NVIDIA Dynamo's conditional disaggregation: measured on workload M
+     (bench/disagg.py), short prompts queued at the prefill instance behind the long ones waited seconds
+     for their first token, while prefilling them here costs a step of the streams only their length.
   2. The link's receiver thread queues each arrival; the step thread, between steps, imports them in
      arrival order: it allocates free blocks from its PrefixCachingPool for the prompt's full blocks
      (reusing those still cached here), writes the received K/V into them (the block id mapping),
@@ -66,16 +70,18 @@ class DecodeEngine(LLMEngine):
         super().__init__(runner, cfg)
         self.link: KVLink | None = None
         self.timeout_s = 60.0
+        self.min_tokens = 0  # prompts with fewer uncached tokens are prefilled here
         self._arrivals: collections.deque[tuple[dict[str, Any], torch.Tensor | None]] = collections.deque()
         self._remote: dict[str, Remote] = {}  # insertion order = the order prompts were sent
         self._held: dict[str, list[int]] = {}  # imported, blocks held until the scheduler admits it
         self.num_imported = self.num_local = self.num_fallbacks = 0
 
-    def attach(self, link: KVLink, timeout_s: float = 60.0) -> None:
-        """Send new prompts over `link`; a prompt whose KV is not back in `timeout_s` is prefilled here."""
+    def attach(self, link: KVLink, timeout_s: float = 60.0, min_tokens: int = 0) -> None:
+        """Send new prompts over `link`; a prompt whose KV is not back in `timeout_s` is prefilled here,
+        and so is one with fewer than `min_tokens` tokens not cached here."""
         if not isinstance(self.scheduler.blocks, PrefixCachingPool):
             raise ValueError("role decode: needs enable_prefix_caching (imported blocks enter the cache)")
-        self.link, self.timeout_s = link, timeout_s
+        self.link, self.timeout_s, self.min_tokens = link, timeout_s, min_tokens
         link.start(lambda header, tensor: self._arrivals.append((header, tensor)))
 
     @property
@@ -96,8 +102,8 @@ class DecodeEngine(LLMEngine):
         if request_id in self._remote or request_id in self._held:
             raise RequestError(f"request_id: {request_id!r} is already in use", "request_id")
         n = num_full_blocks(len(ids), self.runner.block_size)
-        keys = chain_keys(ids, self.runner.block_size, n, [])
-        if n == 0 or len(self.pool.match(keys)) == n:  # nothing to hand over
+        hit = len(self.pool.match(chain_keys(ids, self.runner.block_size, n, [])))
+        if n == 0 or hit == n or len(ids) - hit * self.runner.block_size < self.min_tokens:  # prefill here
             self.num_local += 1
             return super().add_request(request_id, ids, params, arrival)
         now = time.monotonic()

@@ -65,7 +65,7 @@ def build(cfg: RuntimeConfig) -> Role:
         link.close()
         raise
     if isinstance(engine, DecodeEngine):
-        engine.attach(link, cfg.server.kv_peer_timeout_s)
+        engine.attach(link, cfg.server.kv_peer_timeout_s, cfg.server.kv_peer_min_tokens)
     else:
         engine.attach(link)
     return Role(engine, IDLE_POLL_S)

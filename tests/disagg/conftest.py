@@ -34,7 +34,8 @@ def tiny_runner(model: Path | None, num_blocks: int) -> Any:
                                        attention_backend="torch")
 
 
-def connect(prefill: PrefillEngine, decode: DecodeEngine, timeout_s: float = 60.0) -> None:
+def connect(prefill: PrefillEngine, decode: DecodeEngine, timeout_s: float = 60.0,
+            min_tokens: int = 0) -> None:
     """Build both ends of a link (each blocks until the other comes, so one in a thread) and attach."""
     port, links = free_port(), {}
 
@@ -46,7 +47,7 @@ def connect(prefill: PrefillEngine, decode: DecodeEngine, timeout_s: float = 60.
     end(DECODE, decode)
     other.join()
     prefill.attach(links[PREFILL])
-    decode.attach(links[DECODE], timeout_s)
+    decode.attach(links[DECODE], timeout_s, min_tokens)
 
 
 def options(**kw: Any) -> EngineConfig:
@@ -91,11 +92,11 @@ def make_pair(tiny_model_dir: Path) -> Iterator[Any]:
     made: list[LLMEngine] = []
 
     def make(prefill_cfg: EngineConfig, decode_cfg: EngineConfig, timeout_s: float = 60.0,
-             model: Path | None = None) -> tuple[PrefillEngine, DecodeEngine]:
+             model: Path | None = None, min_tokens: int = 0) -> tuple[PrefillEngine, DecodeEngine]:
         model = model if model is not None else tiny_model_dir
         prefill = PrefillEngine(tiny_runner(model, prefill_cfg.num_blocks), prefill_cfg)
         decode = DecodeEngine(tiny_runner(model, decode_cfg.num_blocks), decode_cfg)
-        connect(prefill, decode, timeout_s)
+        connect(prefill, decode, timeout_s, min_tokens)
         made.extend([prefill, decode])
         return prefill, decode
 

@@ -67,3 +67,12 @@ def test_the_decode_side_waits_for_free_blocks_and_drops_nothing(make_pair, tiny
     assert sum(short for short, _ in seen_waiting) >= 3  # it waited several steps for blocks
     assert all(n >= 1 for _, n in seen_waiting)  # counted as waiting meanwhile
     assert decode.num_imported == 2 and decode.num_fallbacks == 0
+
+
+def test_prompts_under_kv_peer_min_tokens_are_prefilled_on_the_decode_side(make_pair, tiny_model_dir: Path):
+    cfg = options(num_blocks=256, prefill_chunk=8, max_batch_tokens=32)
+    batch = prompts([9, 17, 30, 61], salt=5)
+    both = run_both(LLMEngine(tiny_runner(tiny_model_dir, 256), cfg), batch, GREEDY)
+    prefill, decode = make_pair(cfg, cfg, min_tokens=20)
+    assert run_pair(prefill, decode, batch, GREEDY) == both
+    assert decode.num_local == 2 and decode.num_imported == prefill.num_shipped == 2
