@@ -22,7 +22,8 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     num_cached_blocks: int = 0  # blocks holding a cached prefix, referenced or not (a gauge)
     # The step cost model while a TPOT target is on (None otherwise): the last step's predicted and
-    # measured time, and the coefficients (overhead_s, per_token_s, per_pair_s) of core/cost_model.py.
+    # measured time, and the coefficients of core/cost_model.py (overhead_s, per_token_s, per_pair_s,
+    # per_seq_s).
     step_predicted_s: float | None = None
     step_actual_s: float | None = None
     cost_coefficients: tuple[float, ...] | None = None

@@ -76,7 +76,7 @@ class ServerMetrics:
                                          buckets=COST_RATIO_BUCKETS, registry=r)
         self.cost_coefficient = Gauge("mixserve:step_cost_coefficient",
                                       "The cost model's fitted coefficients: step s = overhead_s + "
-                                      "per_token_s * tokens + per_pair_s * pairs.",
+                                      "per_token_s * tokens + per_pair_s * pairs + per_seq_s * sequences.",
                                       ["term"], registry=r)
 
     # -- engine side: called by the step loop after each step (or after draining adds/aborts)
@@ -104,7 +104,8 @@ class ServerMetrics:
         coefficients = getattr(stats, "cost_coefficients", None)
         if coefficients is None:
             return  # no TPOT target
-        for term, value in zip(("overhead_s", "per_token_s", "per_pair_s"), coefficients, strict=True):
+        terms = ("overhead_s", "per_token_s", "per_pair_s", "per_seq_s")  # CostCoefficients.as_list()
+        for term, value in zip(terms, coefficients, strict=True):
             self.cost_coefficient.labels(term).set(value)
         predicted, actual = stats.step_predicted_s, stats.step_actual_s
         if predicted is not None and actual is not None:

@@ -95,6 +95,7 @@ def test_metrics_show_the_cost_model_while_a_target_is_on(make_llm) -> None:
     assert f"mixserve:step_cost_actual_seconds {model.last_actual_s}" in text
     assert f"mixserve:step_cost_predicted_seconds {model.last_predicted_s}" in text
     assert 'mixserve:step_cost_coefficient{term="per_token_s"}' in text
+    assert f'mixserve:step_cost_coefficient{{term="per_seq_s"}} {model.coefficients.per_seq_s}' in text
     assert "mixserve:step_cost_actual_over_predicted_count 1.0" in text
     off = ServerMetrics()
     off.observe_stats(make_llm(max_batch_tokens=64).engine.stats().scheduler, stepped=True)
