@@ -38,6 +38,7 @@ class SimSettings:
     block_size: int = EngineConfig.block_size
     num_blocks: int = EngineConfig.num_blocks
     tpot_target_ms: float = EngineConfig.tpot_target_ms
+    waiting_share: float = EngineConfig.waiting_share
     max_partial_prefills: int = EngineConfig.max_partial_prefills
     long_prefill_threshold: int = EngineConfig.long_prefill_threshold
     max_long_partial_prefills: int = EngineConfig.max_long_partial_prefills
@@ -66,7 +67,7 @@ def build_scheduler(s: SimSettings, cost: CostCoefficients, specs: Sequence[Requ
     sched = Scheduler(cfg, BlockPool(num_blocks))
     if s.tpot_target_ms > 0:  # as LLMEngine: the target sizes every chunk
         sched.with_prefill_policy(Chunked(s.max_batch_tokens))
-        sched.with_step_budget(TpotBudget(StepCostModel(cost), s.tpot_target_ms / 1000.0))
+        sched.with_step_budget(TpotBudget(StepCostModel(cost), s.tpot_target_ms / 1000.0), s.waiting_share)
     else:
         sched.with_prefill_policy(Chunked(s.prefill_chunk) if s.prefill_chunk > 0 else WholePrompt())
     return sched

@@ -33,6 +33,7 @@ ENGINE_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "--enable-prefix-caching": ("enable_prefix_caching", on_off),
     "--step-trace": ("step_trace", str),
     "--tpot-target-ms": ("tpot_target_ms", float),
+    "--waiting-share": ("waiting_share", float),
     "--max-partial-prefills": ("max_partial_prefills", int),
     "--long-prefill-threshold": ("long_prefill_threshold", int),
     "--max-long-partial-prefills": ("max_long_partial_prefills", int),

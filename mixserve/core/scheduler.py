@@ -15,7 +15,7 @@ from mixserve.core.prefix_cache import PrefixCache, new_pool
 from mixserve.core.request import Request, Status
 from mixserve.core.stats import SchedulerStats
 from mixserve.core.step_draft import StepDraft
-from mixserve.core.waiting_share import WaitingShare
+from mixserve.core.waiting_share import WAITING_SHARE, WaitingShare
 
 # Finished requests stay readable (output, tokens) until this many newer ones have finished, or until
 # abort() forgets them, so that a long-running server does not keep every answer forever.
@@ -31,6 +31,7 @@ class Scheduler:
         self._cache: PrefixCache | None = PrefixCache.for_config(cfg, self.blocks)  # None: caching off
         self.policy: PrefillPolicy = WholePrompt()
         self.step_budget: TpotBudget | None = None  # None: every step's budget is max_batch_tokens
+        self.waiting_share = WAITING_SHARE  # with a step budget: what waiting prompts may take first
         self._requests: dict[RequestId, Request] = {}
         self._waiting: deque[Request] = deque()  # arrival order; preempted requests go back in front
         self._running: list[Request] = []  # admission order: the last one is preempted first
@@ -43,9 +44,12 @@ class Scheduler:
         self.policy = policy
         return self
 
-    def with_step_budget(self, budget: TpotBudget | None) -> Scheduler:
-        """While decodes run, let `budget` (a TPOT target) cap the chunks of each step; returns self."""
-        self.step_budget = budget
+    def with_step_budget(self, budget: TpotBudget | None, waiting_share: float = WAITING_SHARE) -> Scheduler:
+        """While decodes run, let `budget` (a TPOT target) cap the chunks of each step, waiting prompts
+        that fit whole in `waiting_share` of its chunk time going first (waiting_share.py); returns self."""
+        if not 0.0 <= waiting_share <= 1.0:
+            raise ValueError(f"waiting_share must be within 0..1, got {waiting_share!r}")
+        self.step_budget, self.waiting_share = budget, waiting_share
         return self
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -94,8 +98,9 @@ class Scheduler:
         # 2. Requests part-way through their prefill, oldest first. Under a target (and with decodes to
         #    protect), waiting prompts that fit whole within their share of the step's time go before them.
         partial = PartialPrefills(self.cfg, (r.prefill_end for r in self._running if r.is_prefilling))
-        if self.step_budget is not None and step.decodes:
-            self._admit_waiting(step, partial, WaitingShare(self.step_budget, self._features(step)).take)
+        if self.step_budget is not None and step.decodes and self.waiting_share > 0:
+            share = WaitingShare(self.step_budget, self._features(step), self.waiting_share)
+            self._admit_waiting(step, partial, share.take)
         for r in list(self._running):
             if r.status is Status.RUNNING and r.is_prefilling:
                 if self._schedule_chunk(r, step) == 0:

@@ -11,25 +11,26 @@ prompts are a quarter of the work (2 a second, 32-128 tokens each), so shortest-
 whole prompts' TTFT; the target without a share is at 1.34x in the same simulation, 1.29x measured).
 
 The rule: in a step that holds decodes, waiting prompts, in arrival order, may start before the partial
-prefills when each fits whole (its entire prompt, no chunk of it) within WAITING_SHARE of the step's chunk
-time (target minus the decodes' predicted time). A prompt that does not fit keeps its place for phase 3 and
-those behind it may pass it, as prefill_limits' SKIP. Partial prefills therefore always get at least
-(1 - WAITING_SHARE) of the chunk time, so their prefill is at most 1 / (1 - WAITING_SHARE) = 1.33x slower in
-the worst case. Simulated on M (six seeds, the cost model refitted from full-M-2's target run), the long
-prompts' TTFT p50 rose 5% while the short prompts' TTFT p50 fell 28% and their mean 21%. What it does not
-fix: a short prompt too big for the share (here over about 70 tokens) still waits for the long prompt, so
-the short TTFT p99 is unchanged; larger shares buy it with the long prompts' TTFT (share 0.3: p50 -37%,
-p99 -2%, long +8%; 0.5: p99 -64%, long +18%; 1.0: p99 -78%, long +22%). 0.25 is the largest share that
-keeps the long prompts within 5% of where they were. Without decodes in the step nothing is sized by the
-target and the share does not apply; with the target off the scheduler never builds one (its behaviour is
-exactly that of before; share 0 replays M exactly as the scheduler before it did).
+prefills when each fits whole (its entire prompt, no chunk of it) within `[engine] waiting_share`
+(WAITING_SHARE, 0.25, by default) of the step's chunk time (target minus the decodes' predicted time). A
+prompt that does not fit keeps its place for phase 3 and those behind it may pass it, as prefill_limits'
+SKIP. Partial prefills therefore always get at least (1 - share) of the chunk time, so their prefill is at
+most 1 / (1 - share) slower in the worst case (1.33x at 0.25). Simulated on M (six seeds, the cost model
+refitted from full-M-2's target run), the long prompts' TTFT p50 rose 5% while the short prompts' TTFT p50
+fell 28% and their mean 21%. What it does not fix: a short prompt too big for the share (here over about 70
+tokens) still waits for the long prompt, so the short TTFT p99 is unchanged; larger shares buy it with the
+long prompts' TTFT (share 0.3: p50 -37%, p99 -2%, long +8%; 0.5: p99 -64%, long +18%; 1.0: p99 -78%, long
++22%). 0.25 is the largest share that keeps the long prompts within 5% of where they were. Without decodes
+in the step nothing is sized by the target and the share does not apply; with the target off the scheduler
+never builds one (its behaviour is exactly that of before; share 0 replays M exactly as the scheduler before
+it did).
 """
 
 from __future__ import annotations
 
 from mixserve.core.cost_model import StepFeatures, TpotBudget
 
-WAITING_SHARE = 0.25
+WAITING_SHARE = 0.25  # EngineConfig.waiting_share's default
 
 
 class WaitingShare:

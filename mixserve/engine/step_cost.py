@@ -111,7 +111,7 @@ class StepCost:
                 self.profiled = profile(runner, self.model, scratch, cfg.max_batch_tokens, cfg.max_num_seqs)
                 logger.info("step cost profile: %d steps in %.1f s -> %s", self.profiled,
                             time.monotonic() - start, self.model.coefficients)
-            scheduler.with_step_budget(TpotBudget(self.model, self.target_s))
+            scheduler.with_step_budget(TpotBudget(self.model, self.target_s), cfg.waiting_share)
 
     def begin(self, batch: ForwardBatch) -> None:
         """The step about to run: its features, and (target on) its predicted time."""

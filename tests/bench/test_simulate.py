@@ -68,6 +68,20 @@ def test_the_target_keeps_every_gap_within_it_and_chunks_more_than_prefill_chunk
     assert max(s.prefill_tokens for s in target.steps) > 16
 
 
+def test_waiting_share_reaches_the_scheduler():
+    """--waiting-share (EngineConfig.waiting_share) is the simulated scheduler's: 0 keeps the short prompts
+    behind the long prompts' chunks, the default lets those that fit go first."""
+    specs = workload_m(num_short=24, short_rate=2.0, long_input_len=1500, seed=1)
+    first = {}
+    for share in (0.0, 0.25):
+        settings = SimSettings(max_batch_tokens=2048, tpot_target_ms=300, waiting_share=share)
+        run = simulate(specs, COST, settings)
+        ttft = sorted(r.token_times[0] - r.start for r in run.results if r.kind == "short")
+        first[share] = ttft[len(ttft) // 2]
+    assert first[0.25] < first[0.0]
+    assert SimSettings().waiting_share == 0.25
+
+
 def test_cli_prints_the_bench_report(tmp_path: Path, capsys):
     cost = tmp_path / "cost.json"
     cost.write_text(json.dumps({"overhead_s": 0.03, "per_token_s": 0.0012, "per_pair_s": 2e-8}))

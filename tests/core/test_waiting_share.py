@@ -105,3 +105,20 @@ def test_share_bounds():
     assert not share.take(100, budget_left=99)  # never more tokens than the step has left
     # the share is 173 ms: 100 + 70 tokens fit, 10 more do not
     assert share.take(100, 2000) and share.take(70, 2000) and not share.take(10, 2000)
+
+
+def test_share_zero_schedules_as_before_and_bad_shares_are_refused():
+    s = make(True)
+    s.with_step_budget(s.step_budget, waiting_share=0.0)
+    log: list = []
+    for i in range(4):
+        s.add_request(f"d{i}", [1] * 10, 200)
+    step(s, log)
+    s.add_request("long", [1] * 1500, 4)
+    step(s, log)
+    s.add_request("short", [1] * 40, 4)
+    while s.has_unfinished() and len(log) < 60:
+        step(s, log)
+    assert first_token_step(log, "short") >= first_token_step(log, "long")  # behind every chunk, as before
+    with pytest.raises(ValueError, match="waiting_share"):
+        make(False).with_step_budget(TpotBudget(StepCostModel(COST), TARGET_S), waiting_share=-0.1)

@@ -81,6 +81,14 @@ def test_flags_and_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="max_long_partial_prefills"):
         load_config(None, {"max_long_partial_prefills": -2})
     assert load_config("runtime.toml").engine.tpot_target_ms == 0
+    assert config_from_args(p.parse_args(["--waiting-share", "0"])).engine.waiting_share == 0
+    with pytest.raises(ConfigError, match="waiting_share: must be <= 1"):
+        load_config(None, {"waiting_share": 1.5})
+
+
+def test_the_engine_hands_its_waiting_share_to_the_scheduler(make_llm) -> None:
+    llm = make_llm(tpot_target_ms=400, max_batch_tokens=64, waiting_share=0.5)
+    assert llm.engine.scheduler.waiting_share == 0.5 and llm.engine.scheduler.step_budget is not None
 
 
 def test_metrics_show_the_cost_model_while_a_target_is_on(make_llm) -> None:
