@@ -92,8 +92,8 @@ def make_pair(tiny_model_dir: Path) -> Iterator[Any]:
     made: list[LLMEngine] = []
 
     def make(prefill_cfg: EngineConfig, decode_cfg: EngineConfig, timeout_s: float = 60.0,
-             model: Path | None = None, min_tokens: int = 0) -> tuple[PrefillEngine, DecodeEngine]:
-        model = model if model is not None else tiny_model_dir
+             default_model: bool = False, min_tokens: int = 0) -> tuple[PrefillEngine, DecodeEngine]:
+        model = None if default_model else tiny_model_dir
         prefill = PrefillEngine(tiny_runner(model, prefill_cfg.num_blocks), prefill_cfg)
         decode = DecodeEngine(tiny_runner(model, decode_cfg.num_blocks), decode_cfg)
         connect(prefill, decode, timeout_s, min_tokens)
