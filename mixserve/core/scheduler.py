@@ -112,16 +112,20 @@ class Scheduler:
         return self._last_step
 
     def _admit_waiting(self, step: StepDraft, partial: PartialPrefills,
-                       only: Callable[[int, int], bool] | None = None) -> None:
+                       only: Callable[[int, int], bool | None] | None = None) -> None:
         """Start waiting requests in arrival order; with `only` (prompt length, tokens left -> start it
-        now?), just those it takes: the others keep their place and those behind them may pass."""
+        now? None: no prompt would fit any more), just those it takes: the others keep their place and
+        those behind them may pass."""
         passed: list[Request] = []
         while self._waiting and len(self._running) < self.cfg.max_num_seqs:
             r = self._waiting[0]
             if r.request_id in step.preempted:  # it just gave its blocks back: not again this step
                 break
             admit = partial.admits(len(r.tokens))
-            if admit is not Admit.YES or (only is not None and not only(len(r.tokens), step.budget_left)):
+            fits = only(len(r.tokens), step.budget_left) if only is not None and admit is Admit.YES else True
+            if fits is None:
+                break
+            if admit is not Admit.YES or not fits:
                 if admit is Admit.STOP:
                     break
                 passed.append(self._waiting.popleft())

@@ -44,10 +44,13 @@ class WaitingShare:
         decodes_s = self.coefficients.predict(decodes)
         self.limit_s = decodes_s + share * max(0.0, budget.target_s - decodes_s)
 
-    def take(self, prompt_len: int, budget_left: int) -> bool:
+    def take(self, prompt_len: int, budget_left: int) -> bool | None:
         """True, and counted as taken, if a waiting prompt of `prompt_len` tokens fits whole in the share
         and in the `budget_left` tokens (cached blocks are not counted off: a cached prefix only shortens
-        the chunk, so a prompt that fits uncached fits)."""
+        the chunk, so a prompt that fits uncached fits); None when not even a one-token prompt would: the
+        scheduler stops looking (a long queue is not scanned every step for nothing)."""
+        if budget_left < 1 or self.coefficients.predict(self._features.plus(0, 1)) > self.limit_s:
+            return None
         if prompt_len > budget_left:
             return False
         f = self._features.plus(0, prompt_len)

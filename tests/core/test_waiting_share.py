@@ -101,10 +101,12 @@ def test_share_bounds():
     budget = TpotBudget(StepCostModel(COST), TARGET_S)
     with pytest.raises(ValueError, match="share"):
         WaitingShare(budget, StepFeatures(), share=1.5)
-    share = WaitingShare(budget, StepFeatures(4, 4), share=0.5)
+    share = WaitingShare(budget, StepFeatures(4, 4), share=0.45)
     assert not share.take(100, budget_left=99)  # never more tokens than the step has left
-    # the share is 173 ms: 100 + 70 tokens fit, 10 more do not
-    assert share.take(100, 2000) and share.take(70, 2000) and not share.take(10, 2000)
+    # the share is 155.7 ms: 100 + 50 tokens fit, 10 more do not, 5 do
+    assert share.take(100, 2000) and share.take(50, 2000) and share.take(10, 2000) is False
+    assert share.take(5, 2000) and share.take(1, 2000) is None  # full: nothing more is looked at
+    assert WaitingShare(budget, StepFeatures(4, 4), share=0.5).take(1, budget_left=0) is None
 
 
 def test_share_zero_schedules_as_before_and_bad_shares_are_refused():
