@@ -189,7 +189,7 @@ class KVLink:
             try:
                 self._send(*item)
             except Exception as exc:
-                self._fail(f"sending to the {self.peer_role} instance failed ({one_line(exc)})")
+                self._fail(f"the {self.peer_role} instance is gone (sending: {one_line(exc)})")
                 return
 
     # ---- one message ---------------------------------------------------------------------------
