@@ -99,7 +99,7 @@ class DecodeEngine(LLMEngine):
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else [
             int(t) for t in prompt]
         self.validate(ids, params)
-        if request_id in self._remote or request_id in self._held:
+        if request_id in self._remote or request_id in self._held or self._in_scheduler(request_id):
             raise RequestError(f"request_id: {request_id!r} is already in use", "request_id")
         n = num_full_blocks(len(ids), self.runner.block_size)
         hit = len(self.pool.match(chain_keys(ids, self.runner.block_size, n, [])))
@@ -206,6 +206,13 @@ class DecodeEngine(LLMEngine):
         self._held[r.request_id] = hit + fresh
         super().add_request(r.request_id, r.ids, r.params, r.arrival)
         self.num_imported += 1
+        return True
+
+    def _in_scheduler(self, request_id: str) -> bool:
+        try:
+            self.scheduler.request(request_id)
+        except KeyError:
+            return False
         return True
 
     def _release_admitted(self) -> None:

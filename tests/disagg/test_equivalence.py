@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from mixserve.disagg.kv_blocks import num_full_blocks
-from mixserve.engine.llm_engine import LLMEngine
+from mixserve.engine.llm_engine import LLMEngine, RequestError
 from mixserve.engine.sampling_params import SamplingParams
-from tests.disagg.conftest import BLOCK_SIZE, options, run_both, run_pair, tiny_runner
+from tests.disagg.conftest import BLOCK_SIZE, drive, options, run_both, run_pair, tiny_runner
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # lengths around block boundaries: 3 has no full block to hand over (served locally), 16 and 17 end on
@@ -76,3 +76,35 @@ def test_prompts_under_kv_peer_min_tokens_are_prefilled_on_the_decode_side(make_
     prefill, decode = make_pair(cfg, cfg, min_tokens=20)
     assert run_pair(prefill, decode, batch, GREEDY) == both
     assert decode.num_local == 2 and decode.num_imported == prefill.num_shipped == 2
+
+
+def test_an_id_in_use_is_refused_before_it_goes_out(make_pair):
+    cfg = options(num_blocks=256, prefill_chunk=8)
+    _, decode = make_pair(cfg, cfg)
+    decode.add_request("a", prompts([3])[0], GREEDY)  # no full block: admitted here at once
+    decode.add_request("b", prompts([30])[0], GREEDY)  # out at the prefill instance
+    for rid in ("a", "b"):
+        with pytest.raises(RequestError, match="already in use"):
+            decode.add_request(rid, prompts([30], salt=1)[0], GREEDY)
+
+
+def test_a_refused_prompt_is_prefilled_on_the_decode_side(make_pair, tiny_model_dir: Path):
+    # the prefill side's KV cache (8 blocks of 4) cannot hold the 61-token prompt: it refuses, and the
+    # decode side computes it itself; the 17-token one still goes through the prefill side
+    cfg = options(num_blocks=256, prefill_chunk=8)
+    batch = prompts([61, 17], salt=2)
+    both = run_both(LLMEngine(tiny_runner(tiny_model_dir, 256), cfg), batch, GREEDY)
+    prefill, decode = make_pair(options(num_blocks=8, prefill_chunk=8), cfg)
+    assert run_pair(prefill, decode, batch, GREEDY) == both
+    assert decode.num_fallbacks == 1 and decode.num_imported == prefill.num_shipped == 1
+
+
+def test_a_prompt_whose_kv_is_late_is_prefilled_on_the_decode_side(make_pair, tiny_model_dir: Path):
+    cfg = options(num_blocks=256, prefill_chunk=8)
+    batch = prompts([30], salt=4)
+    both = run_both(LLMEngine(tiny_runner(tiny_model_dir, 256), cfg), batch, GREEDY)
+    prefill, decode = make_pair(cfg, cfg, timeout_s=0.2)
+    # the prefill engine is never stepped (a peer alive but stuck): only the decode side runs
+    decode.add_request("r0", batch[0], GREEDY)
+    assert drive([decode], decode, 1) == both
+    assert decode.num_fallbacks == 1 and decode.num_imported == 0
