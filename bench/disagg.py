@@ -5,14 +5,15 @@ instance, each instance's step timeline from its step trace, and the decode inst
 On this 2-core box the pair gets one thread (one core) per instance and the `both` instance both cores:
 the same machine either way, so the comparison is of where the long prompts' prefill runs, not of more
 hardware. Workload M scaled by default (12 short requests at 0.5/s and 4 long prompts of 1,500 tokens;
-`--full` for 48 at 2/s), so one run of both settings stays under 5 minutes. The decode instance prefills
-prompts under `--min-tokens` (256) itself (kv_peer_min_tokens; 0 sends every prompt to the prefill one).
+`--full` for 48 at 2/s), so one run of the three settings stays under 5 minutes. One pair per value of
+`--min-tokens` (0,256): the decode instance's kv_peer_min_tokens (0 sends every prompt to the prefill
+instance; 256 prefills the short ones on the decode instance).
 Prints and writes (JSON, PNG):
   - short requests stalled (a gap over 0.5 s), max gap, TPOT p50, TTFT p50 of short and long;
   - per instance: steps, steps carrying prefill tokens, the longest step and the most prefill tokens in
     one step (the decode instance only computes each prompt's last partial block: < block_size tokens).
 
-    flock /tmp/mixserve-bench.lock .venv/bin/python bench/disagg.py [--full] [--no-both] [--min-tokens N]
+    flock /tmp/mixserve-bench.lock .venv/bin/python bench/disagg.py [--full] [--no-both] [--min-tokens 0,256]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import sys
 import tempfile
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from mixserve.bench.plot import Timeline, plot_timelines
@@ -123,19 +125,23 @@ def main() -> int:
     ap.add_argument("--full", action="store_true", help="workload M as specified (48 short at 2/s)")
     ap.add_argument("--no-both", action="store_true", help="skip the one-instance run beside the pair")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--min-tokens", type=int, default=256,
-                    help="the decode instance's kv_peer_min_tokens (0: every prompt goes to the prefill one)")
+    ap.add_argument("--min-tokens", default="0,256",
+                    help="the decode instance's kv_peer_min_tokens, one pair per comma-separated value "
+                         "(0: every prompt goes to the prefill instance)")
     ap.add_argument("--out", default="bench/results/disagg.json")
     args = ap.parse_args()
+    min_tokens = [int(v) for v in args.min_tokens.split(",")]
     out: dict = {"settings": {"full": args.full, "seed": args.seed, "long_len": LONG_LEN,
-                              "kv_peer_min_tokens": args.min_tokens}}
+                              "kv_peer_min_tokens": min_tokens}, "pairs": {}}
+    timelines: list[Timeline] = []
     with tempfile.TemporaryDirectory() as tmp:
-        pair, timelines = run_pair(Path(tmp), args.full, args.seed, args.min_tokens)
-        out["pair"] = pair
-        print(line(f"pair (prefill + decode, 1 core each, kv_peer_min_tokens {args.min_tokens})",
-                   pair["verdict"]))
-        for role in ("prefill", "decode"):
-            print(f"  {role} instance steps: {json.dumps(pair[f'{role}_steps'])}")
+        for n in min_tokens:
+            pair, panels = run_pair(Path(tmp), args.full, args.seed, n)
+            out["pairs"][str(n)] = pair
+            timelines += [replace(p, label=f"{p.label}, kv_peer_min_tokens {n}") for p in panels]
+            print(line(f"pair (prefill + decode, 1 core each, kv_peer_min_tokens {n})", pair["verdict"]))
+            for role in ("prefill", "decode"):
+                print(f"  {role} instance steps: {json.dumps(pair[f'{role}_steps'])}")
         if not args.no_both:
             both, timeline = run_both(Path(tmp), args.full, args.seed)
             out["both"] = both
