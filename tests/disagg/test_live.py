@@ -171,3 +171,12 @@ def test_a_dead_prefill_instance_fails_in_flight_requests_and_the_front(pair, ki
     until(lambda: decode.health() in (503, None), within, "/health 503")
     assert decode.proc.wait(30) == 1
     assert "the prefill instance" in decode.log.read_text()
+
+
+def test_a_killed_decode_instance_takes_the_prefill_instance_down(pair):
+    prefill, decode = pair
+    assert completion(decode.url, PROMPTS[2], 2).status_code == 200
+    with_signal(decode.proc, signal.SIGKILL)
+    until(lambda: prefill.health() in (503, None), FAIL_WITHIN_S, "the prefill instance's /health 503")
+    assert prefill.proc.wait(30) == 1
+    assert "the decode instance is gone" in prefill.log.read_text()
