@@ -13,26 +13,19 @@
 #include <vector>
 
 #include "common.h"
+#include "vec16.h"
 
 using namespace mixserve;
 
 namespace {
 
 constexpr int KEY_TILE = 16;
+constexpr int PREFETCH_TILES = 2;  // how far ahead the K/V rows are asked for (1 measured the same)
 constexpr int TILE_TOKENS = 16;
 constexpr int MAX_ROWS = 128;  // TILE_TOKENS * the largest GQA group a tile takes (G <= 8)
 constexpr int MAX_HEAD_DIM = 256;
 // A finite "minus infinity": the library is built with -ffinite-math-only, which assumes no infinities.
 constexpr float NEG_BIG = -1e30f;
-
-// 16 floats as one value: GCC's vector extension is one AVX-512 register here and two AVX2 registers on
-// an AVX2-only CPU. Written out where GCC would not vectorise the plain loops (a 16-wide score row across
-// the D loop, an accumulator row kept in registers across keys).
-typedef float vf16 __attribute__((vector_size(64)));
-typedef float vf16u __attribute__((vector_size(64), aligned(4)));  // for loads at any float address
-
-inline vf16 load16(const float* p) { return *reinterpret_cast<const vf16u*>(p); }
-inline void store16(float* p, vf16 v) { *reinterpret_cast<vf16u*>(p) = v; }
 
 struct Item {
     int64_t seq, kv_head, q_begin, q_end;  // q_begin/q_end: packed token indices of the tile
@@ -50,16 +43,32 @@ template <typename T, int DC>
 inline void tile_rows(const T* cache, const int64_t* table, int64_t k0, int64_t nk, int64_t head_off,
                       const Shape& sh, float (*buf)[MAX_HEAD_DIM], const float** rows) {
     const int64_t D = DC ? DC : sh.head_dim, kv_row = sh.num_kv_heads * D;
-    for (int64_t j = 0; j < nk; ++j) {
-        const int64_t key = k0 + j;
-        const T* src = cache + (table[key / sh.block_size] * sh.block_size + key % sh.block_size) * kv_row
-                       + head_off;
+    int64_t blk = k0 / sh.block_size, off = k0 % sh.block_size;  // one division a tile, not two a key
+    for (int64_t j = 0; j < nk; ++j, ++off) {
+        if (off == sh.block_size) off = 0, ++blk;
+        const T* src = cache + (table[blk] * sh.block_size + off) * kv_row + head_off;
         if constexpr (sizeof(T) == sizeof(float)) {
             rows[j] = reinterpret_cast<const float*>(src);
         } else {
             for (int64_t d = 0; d < D; ++d) buf[j][d] = load(src + d);
             rows[j] = buf[j];
         }
+    }
+}
+
+// Asks for the rows of keys [k0, k0 + nk) of one KV head ahead of their use. Each row is a short run (head_dim
+// elements) at a stride of num_kv_heads rows, which the hardware prefetchers follow poorly: without this a
+// decode waited on memory at each key tile (~20% of its attention time here).
+template <typename T>
+inline void prefetch_rows(const T* cache, const int64_t* table, int64_t k0, int64_t nk, int64_t head_off,
+                          int64_t D, const Shape& sh) {
+    const int64_t kv_row = sh.num_kv_heads * D, bytes = D * static_cast<int64_t>(sizeof(T));
+    int64_t blk = k0 / sh.block_size, off = k0 % sh.block_size;
+    for (int64_t j = 0; j < nk; ++j, ++off) {
+        if (off == sh.block_size) off = 0, ++blk;
+        const char* src = reinterpret_cast<const char*>(cache + (table[blk] * sh.block_size + off) * kv_row
+                                                        + head_off);
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(src + b);
     }
 }
 
@@ -107,7 +116,7 @@ void attend_tile(const Item& it, const T* q, const T* k_cache, const T* v_cache,
     const int64_t pos0 = ctx - qlen + (it.q_begin - query_start[it.seq]);
     const int64_t* table = block_tables + it.seq * sh.max_blocks;
     const int64_t head_off = it.kv_head * D;
-    // Few rows (decodes): one dot product per (row, key) straight from the cache rows. Many rows (chunks):
+    // Few rows (decodes): straight from the cache rows (vec16.h: few_row_scores). Many rows (chunks):
     // K transposed once per tile, so each row's 16 scores are D broadcast-FMAs into one vector.
     const bool transpose = rows >= 8;
 
@@ -119,7 +128,7 @@ void attend_tile(const Item& it, const T* q, const T* k_cache, const T* v_cache,
     alignas(64) float sc[MAX_ROWS][KEY_TILE];  // the tile's scores, row by row
     const float* krow[KEY_TILE];
     const float* vrow[KEY_TILE];
-    float m[MAX_ROWS], l[MAX_ROWS];
+    float m[MAX_ROWS], l[MAX_ROWS], alpha_r[MAX_ROWS];
 
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t t = r / G, h = it.kv_head * G + r % G;
@@ -132,12 +141,21 @@ void attend_tile(const Item& it, const T* q, const T* k_cache, const T* v_cache,
     const int64_t num_keys = pos0 + n_tok;  // the last query of the tile sees keys 0..pos0 + n_tok - 1
     for (int64_t k0 = 0; k0 < num_keys; k0 += KEY_TILE) {
         const int64_t nk = std::min<int64_t>(KEY_TILE, num_keys - k0);
+        // Prefetch PREFETCH_TILES tiles ahead (the first tile asks for all of them).
+        const int64_t p0 = k0 == 0 ? KEY_TILE : k0 + PREFETCH_TILES * KEY_TILE;
+        const int64_t p1 = std::min<int64_t>(num_keys, k0 + (PREFETCH_TILES + 1) * KEY_TILE);
+        if (p0 < p1) {
+            prefetch_rows(k_cache, table, p0, p1 - p0, head_off, D, sh);
+            prefetch_rows(v_cache, table, p0, p1 - p0, head_off, D, sh);
+        }
         tile_rows<T, DC>(k_cache, table, k0, nk, head_off, sh, kbuf, krow);
         tile_rows<T, DC>(v_cache, table, k0, nk, head_off, sh, vbuf, vrow);
         if (transpose) {
             for (int64_t j = 0; j < KEY_TILE; ++j)
                 for (int64_t d = 0; d < D; ++d) kt[d][j] = j < nk ? krow[j][d] : 0.f;
             tile_scores(qs, kt, rows, D, sc);
+        } else if constexpr (DC > 0 && DC % 16 == 0) {
+            few_row_scores<DC, MAX_HEAD_DIM>(qs, krow, rows, nk, sc);
         } else {
             for (int64_t r = 0; r < rows; ++r)
                 for (int64_t j = 0; j < nk; ++j) {
@@ -146,10 +164,15 @@ void attend_tile(const Item& it, const T* q, const T* k_cache, const T* v_cache,
                     sc[r][j] = dot;
                 }
         }
+        int64_t nv = 0;  // the most keys of this tile any row sees
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t visible = std::min<int64_t>(nk, pos0 + r / G - k0 + 1);  // causal, tile end
-            if (visible <= 0) continue;
             float* s = sc[r];
+            if (visible <= 0) {  // a row before this tile's keys: left as it is
+                alpha_r[r] = 1.f;
+                for (int j = 0; j < KEY_TILE; ++j) s[j] = 0.f;
+                continue;
+            }
             float tile_max = NEG_BIG;
             for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
             const float m_new = std::max(m[r], tile_max);
@@ -161,19 +184,16 @@ void attend_tile(const Item& it, const T* q, const T* k_cache, const T* v_cache,
             }
             l[r] = l[r] * alpha + sum;
             m[r] = m_new;
-            float* a = acc[r];
-            if constexpr (DC > 0 && DC % 16 == 0) {  // the row stays in registers across the keys
-                vf16 av[DC / 16];
-                for (int c = 0; c < DC / 16; ++c) av[c] = load16(a + 16 * c) * alpha;
-                for (int64_t j = 0; j < visible; ++j)
-                    for (int c = 0; c < DC / 16; ++c) av[c] += s[j] * load16(vrow[j] + 16 * c);
-                for (int c = 0; c < DC / 16; ++c) store16(a + 16 * c, av[c]);
-            } else {
+            alpha_r[r] = alpha;
+            nv = std::max(nv, visible);
+            if constexpr (!(DC > 0 && DC % 16 == 0)) {
+                float* a = acc[r];
                 for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
                 for (int64_t j = 0; j < visible; ++j)
                     for (int64_t d = 0; d < D; ++d) a[d] += s[j] * vrow[j][d];
             }
         }
+        if constexpr (DC > 0 && DC % 16 == 0) scale_accumulate<DC, MAX_HEAD_DIM>(acc, alpha_r, sc, vrow, nv, rows);
     }
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t t = r / G, h = it.kv_head * G + r % G;
