@@ -151,8 +151,12 @@ void attend_tile(const Item& it, const T* q, const T* k_cache, const T* v_cache,
         tile_rows<T, DC>(k_cache, table, k0, nk, head_off, sh, kbuf, krow);
         tile_rows<T, DC>(v_cache, table, k0, nk, head_off, sh, vbuf, vrow);
         if (transpose) {
-            for (int64_t j = 0; j < KEY_TILE; ++j)
-                for (int64_t d = 0; d < D; ++d) kt[d][j] = j < nk ? krow[j][d] : 0.f;
+            if constexpr (DC > 0 && DC % 16 == 0) {
+                transpose_keys<DC>(krow, nk, kt);
+            } else {
+                for (int64_t j = 0; j < KEY_TILE; ++j)
+                    for (int64_t d = 0; d < D; ++d) kt[d][j] = j < nk ? krow[j][d] : 0.f;
+            }
             tile_scores(qs, kt, rows, D, sc);
         } else if constexpr (DC > 0 && DC % 16 == 0) {
             few_row_scores<DC, MAX_HEAD_DIM>(qs, krow, rows, nk, sc);
