@@ -16,7 +16,11 @@ A DecodeEngine is an LLMEngine, so the server drives it as any engine; only `add
      registers each under its chain key, holds them, and adds the request normally. Admission then
      finds every full block cached, computes only the tail (< block_size tokens) and samples the first
      token itself: greedy and seeded outputs equal one `both` instance, and neither the scheduler nor
-     the runner knows about disaggregation. The hold is dropped once the scheduler has admitted it.
+     the runner knows about disaggregation. The hold lasts one step: the scheduler has admitted the
+     request by then, or it waits behind others and its blocks stay cached (unreferenced, freed last),
+     so admission still finds them unless memory runs short, when they are evicted and it computes them
+     itself. A hold kept until admission deadlocked: holds invisible to the scheduler could leave a
+     preempted request at the queue's head too few blocks ever to restart, with the held one behind it.
   3. Blocks short: the arrival waits in the queue (counted as waiting) until a step frees enough; never
      dropped. A prompt the prefill side refuses, or whose KV has not come back within
      kv_peer_timeout_s, is prefilled here instead (a slow peer delays a request, never hangs it).
@@ -38,7 +42,6 @@ import torch
 
 from mixserve.config import EngineConfig
 from mixserve.core.prefix_cache import PrefixCachingPool, chain_keys
-from mixserve.core.request import Status
 from mixserve.core.stats import EngineStats
 from mixserve.disagg.kv_blocks import num_full_blocks, scatter_blocks
 from mixserve.disagg.link import KVLink, PeerLostError
@@ -73,7 +76,7 @@ class DecodeEngine(LLMEngine):
         self.min_tokens = 0  # prompts with fewer uncached tokens are prefilled here
         self._arrivals: collections.deque[tuple[dict[str, Any], torch.Tensor | None]] = collections.deque()
         self._remote: dict[str, Remote] = {}  # insertion order = the order prompts were sent
-        self._held: dict[str, list[int]] = {}  # imported, blocks held until the scheduler admits it
+        self._held: dict[str, list[int]] = {}  # imported this step: blocks held until it ends
         self.num_imported = self.num_local = self.num_fallbacks = 0
 
     def attach(self, link: KVLink, timeout_s: float = 60.0, min_tokens: int = 0) -> None:
@@ -153,7 +156,7 @@ class DecodeEngine(LLMEngine):
         self._fall_back(time.monotonic())
         self._import_ready()
         updates = super().step()
-        self._release_admitted()
+        self._release_holds()
         return updates
 
     def _take_arrivals(self) -> None:
@@ -215,14 +218,9 @@ class DecodeEngine(LLMEngine):
             return False
         return True
 
-    def _release_admitted(self) -> None:
-        """Drop the hold on the blocks of every imported request the scheduler has admitted (it holds
-        them itself now) or that left."""
-        for rid in list(self._held):
-            try:
-                req = self.scheduler.request(rid)
-                admitted = req.status is not Status.WAITING or bool(req.block_table)
-            except KeyError:
-                admitted = True
-            if admitted:
-                self.pool.free(self._held.pop(rid))
+    def _release_holds(self) -> None:
+        """Drop the hold on every imported request's blocks after the step that followed its import: the
+        scheduler holds them itself if it admitted it; if not, they stay cached for its admission."""
+        for blocks in self._held.values():
+            self.pool.free(blocks)
+        self._held.clear()

@@ -3,6 +3,7 @@ with chunked and whole prompts, and the decode side waits (never drops) when its
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from mixserve.disagg.kv_blocks import num_full_blocks
 from mixserve.engine.llm_engine import LLMEngine, RequestError
 from mixserve.engine.sampling_params import SamplingParams
-from tests.disagg.conftest import BLOCK_SIZE, drive, options, run_both, run_pair, tiny_runner
+from tests.disagg.conftest import BLOCK_SIZE, DEADLINE_S, drive, options, run_both, run_pair, tiny_runner
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # lengths around block boundaries: 3 has no full block to hand over (served locally), 16 and 17 end on
@@ -108,3 +109,38 @@ def test_a_prompt_whose_kv_is_late_is_prefilled_on_the_decode_side(make_pair, ti
     decode.add_request("r0", batch[0], GREEDY)
     assert drive([decode], decode, 1) == both
     assert decode.num_fallbacks == 1 and decode.num_imported == 0
+
+
+def test_an_import_waiting_behind_others_holds_no_blocks_past_its_step(make_pair, tiny_model_dir: Path):
+    # 16 blocks of 4, whole prompts. X (3 tokens, no full block: served here) grows to 13 blocks; then A's
+    # KV (2 blocks) is imported into 2 of the 3 free ones, and X's next decode takes the third, so A waits.
+    # X later preempts itself for block 15 and, restarting whole, needs 15 of the 16: had A kept its hold
+    # until admission, X could never restart and A (behind it) never start, both unfinished forever.
+    whole = options(num_blocks=16, prefill_chunk=0, max_batch_tokens=64)
+    params = [SamplingParams(max_tokens=58, temperature=0, ignore_eos=True), GREEDY]
+    batch = [[5, 6, 7], prompts([9], salt=6)[0]]
+    both = LLMEngine(tiny_runner(tiny_model_dir, 256), options(num_blocks=256, prefill_chunk=0))
+    for i, (p, sp) in enumerate(zip(batch, params, strict=True)):
+        both.add_request(f"r{i}", p, sp)
+    expected = drive([both], both, 2)
+    prefill, decode = make_pair(options(num_blocks=256, prefill_chunk=0), whole)
+    decode.add_request("r0", batch[0], params[0])
+    while len(decode.scheduler.request("r0").tokens) < 53:  # X holds 13 blocks: 3 free
+        decode.step()
+    decode.add_request("r1", batch[1], params[1])
+    deadline = time.monotonic() + DEADLINE_S
+    while not decode._arrivals:  # A's KV on its way back (the link's receiver thread delivers it)
+        assert time.monotonic() < deadline, "A's KV never came back"
+        if prefill.has_unfinished():
+            prefill.step()
+        time.sleep(0.001)
+    done: dict[str, list[int]] = {}
+    for _ in range(200):  # a few dozen steps suffice; a deadlock steps forever
+        for u in decode.step():
+            if u.finished:
+                done[u.request_id] = list(u.output.token_ids)
+        if len(done) == 2:
+            break
+    assert done == expected
+    assert decode.num_imported == 1 and decode.pool.num_held() == 0
+    decode.pool.check()
