@@ -11,7 +11,7 @@ instance; 256 prefills the short ones on the decode instance).
 Prints and writes (JSON, PNG):
   - short requests stalled (a gap over 0.5 s), max gap, TPOT p50, TTFT p50 of short and long;
   - per instance: steps, steps carrying prefill tokens, the longest step and the most prefill tokens in
-    one step (the decode instance only computes each prompt's last partial block: < block_size tokens).
+    one step (the decode instance only computes each prompt's last block: 1..block_size tokens).
 
     flock /tmp/mixserve-bench.lock .venv/bin/python bench/disagg.py [--full] [--no-both] [--min-tokens 0,256]
 """

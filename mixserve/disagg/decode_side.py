@@ -14,7 +14,7 @@ A DecodeEngine is an LLMEngine, so the server drives it as any engine; only `add
      arrival order: it allocates free blocks from its PrefixCachingPool for the prompt's full blocks
      (reusing those still cached here), writes the received K/V into them (the block id mapping),
      registers each under its chain key, holds them, and adds the request normally. Admission then
-     finds every full block cached, computes only the tail (< block_size tokens) and samples the first
+     finds every full block cached, computes only the tail (1..block_size tokens) and samples the first
      token itself: greedy and seeded outputs equal one `both` instance, and neither the scheduler nor
      the runner knows about disaggregation. The hold lasts one step: the scheduler has admitted the
      request by then, or it waits behind others and its blocks stay cached (unreferenced, freed last),

@@ -45,7 +45,8 @@ def check_role(cfg: RuntimeConfig) -> None:
 
 
 def build(cfg: RuntimeConfig) -> Role:
-    """Load the model and, for prefill or decode, connect to the other instance (blocks until it comes)."""
+    """Load the model and, for prefill or decode, connect to the other instance (blocks until it comes);
+    ConnectionError if it never comes or serves another model or KV layout."""
     from mixserve.disagg.decode_side import DecodeEngine
     from mixserve.disagg.prefill_side import PrefillEngine
 
@@ -61,9 +62,9 @@ def build(cfg: RuntimeConfig) -> Role:
     link = KVLink.connect(role, host, port, mine)
     try:
         check_peer(mine, link.peer_hello)
-    except ValueError:
+    except ValueError as exc:  # serve: a ConnectionError is printed as it is
         link.close()
-        raise
+        raise ConnectionError(str(exc)) from None
     if isinstance(engine, DecodeEngine):
         engine.attach(link, cfg.server.kv_peer_timeout_s, cfg.server.kv_peer_min_tokens)
     else:

@@ -86,6 +86,15 @@ def drive(engines: list[LLMEngine], front: LLMEngine, count: int,
     return done
 
 
+def until(check, within_s: float, what: str) -> float:
+    """Poll `check` until true; the seconds it took (AssertionError past `within_s`)."""
+    start = time.monotonic()
+    while not check():
+        assert time.monotonic() - start < within_s, f"{what} not within {within_s} s"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
 @pytest.fixture
 def make_pair(tiny_model_dir: Path) -> Iterator[Any]:
     """make_pair(prefill_options, decode_options) -> (PrefillEngine, DecodeEngine), closed afterwards."""

@@ -22,18 +22,10 @@ from mixserve.disagg.roles import IDLE_POLL_S
 from mixserve.distributed.group import free_port
 from mixserve.engine.async_engine import AsyncEngine
 from mixserve.server import create_app
-from tests.disagg.conftest import options, tiny_runner
+from tests.disagg.conftest import options, tiny_runner, until
 
 LOCAL = "http://127.0.0.1"
 FAIL_WITHIN_S = 10.0
-
-
-def until(check, within_s: float, what: str) -> float:
-    start = time.monotonic()
-    while not check():
-        assert time.monotonic() - start < within_s, f"{what} not within {within_s} s"
-        time.sleep(0.02)
-    return time.monotonic() - start
 
 
 def waiting(client: TestClient) -> float:

@@ -27,6 +27,7 @@ from mixserve.disagg.link import SILENCE_S
 from mixserve.distributed.group import free_port
 from mixserve.engine.llm import LLM
 from mixserve.engine.sampling_params import SamplingParams
+from tests.disagg.conftest import until
 
 START_DEADLINE_S = 120.0
 FAIL_WITHIN_S = 10.0
@@ -142,15 +143,6 @@ def stream_outcome(url: str, prompt: list[int], out: queue.Queue) -> None:
             out.put(("done", tokens))
     except httpx.TransportError as exc:
         out.put(("transport", repr(exc)))
-
-
-def until(check, within_s: float, what: str) -> float:
-    """Poll `check` until true; the seconds it took (AssertionError past `within_s`)."""
-    start = time.monotonic()
-    while not check():
-        assert time.monotonic() - start < within_s, f"{what} not within {within_s} s"
-        time.sleep(0.02)
-    return time.monotonic() - start
 
 
 @pytest.mark.parametrize("kill", [True, False], ids=["killed", "hung"])
