@@ -124,3 +124,20 @@ def test_share_zero_schedules_as_before_and_bad_shares_are_refused():
     assert first_token_step(log, "short") >= first_token_step(log, "long")  # behind every chunk, as before
     with pytest.raises(ValueError, match="waiting_share"):
         make(False).with_step_budget(TpotBudget(StepCostModel(COST), TARGET_S), waiting_share=-0.1)
+
+
+@pytest.mark.xfail(strict=True, reason="core/scheduler.py phase 2 gives a prompt the share admitted in "
+                   "part a second chunk in the same step, overwriting the first (review 2026-12-01)")
+def test_a_prompt_the_share_admits_gets_one_chunk_per_step_whatever_the_policy():
+    # a policy chunk (16) shorter than the prompt (40): the share admits it with its first 16 tokens; the
+    # partial prefills that follow must not give it a second chunk, which replaced the first in the step
+    s = make(True).with_prefill_policy(Chunked(16))
+    log: list = []
+    for i in range(4):
+        s.add_request(f"d{i}", [1] * 10, 200)
+    step(s, log)
+    step(s, log)  # the four prompts (16 a step) are in, all decoding
+    s.add_request("short", [1] * 40, 4)
+    out = s.schedule()
+    chunk = next(c for c in out.chunks if c.request_id == "short")
+    assert (chunk.start, chunk.length) == (0, 16) and s.request("short").num_computed == 16
