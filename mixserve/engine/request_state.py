@@ -46,6 +46,11 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stopped_by_string = False
         self.grammar: RequestGrammar | None = None  # structured output: set by the engine
+        # unseeded and unprocessed (most requests): one SamplingRow for every step, built once
+        self._plain_row: SamplingRow | None = None
+        if params.seed is None and not params.penalized:
+            self._plain_row = SamplingRow(params.temperature, params.top_p, params.top_k, params.min_p, None,
+                                          params.logprobs, None)
 
     @property
     def request_id(self) -> str:
@@ -94,6 +99,8 @@ class RequestState:
 
     def sampling_row(self) -> SamplingRow:
         """How the sampler treats this request's next token (read before the scheduler appends it)."""
+        if self._plain_row is not None:  # nothing in the row changes from step to step
+            return self._plain_row
         p, tokens = self.params, self.record.tokens
         seed = None if p.seed is None else row_seed(p.seed, self.num_generated)
         processing = None

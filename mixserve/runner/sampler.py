@@ -38,6 +38,13 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value, the first on ties (as `argmax`): `max(dim).indices` takes
+    ~0.6x argmax's time on a CPU (0.8 vs 1.4 ms for 32 rows of a 49,152-token vocabulary on the 2-core
+    Xeon), the largest per-row cost of a greedy step on the host (bench/per_row.py)."""
+    return x.max(dim=-1).indices
+
+
 def row_seed(seed: int, num_generated: int) -> int:
     """The generator seed of a seeded request's next token: a function of its seed and position only,
     so its tokens do not depend on the rest of the batch, nor on being preempted and recomputed."""
@@ -61,7 +68,7 @@ class Sampler:
             logits = apply_processors(raw, [r.processing or ProcessorRow() for r in rows])
         greedy = [r.temperature < GREEDY_BELOW for r in rows]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         else:
             tokens = self._sample(logits, rows, greedy)
         token_list = tokens.tolist()
@@ -90,10 +97,10 @@ class Sampler:
                 gen = torch.Generator(device=dev)
                 gen.manual_seed(r.seed)
                 noise[i].exponential_(generator=gen)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = argmax_rows(probs / noise)
         if any(greedy):
             mask = torch.tensor(greedy, device=dev)
-            sampled = torch.where(mask, logits.argmax(dim=-1), sampled)
+            sampled = torch.where(mask, argmax_rows(logits), sampled)
         return sampled
 
     @staticmethod

@@ -59,8 +59,8 @@ async def stream_events(stream: RequestStream, fmt: Formatter, num_prompt_tokens
             # one chunk per step that made a token, even if its text is held back (an unfinished UTF-8
             # character, a possible stop string): clients time tokens by chunks
             if update.new_token_ids or update.new_text or finish is not None:
-                yield sse(fmt.delta_chunk(update.new_text, finish, lp, usage if continuous_usage else None,
-                                          update.index))
+                yield fmt.delta_event(update.new_text, finish, lp, usage if continuous_usage else None,
+                                      update.index)
     except (EngineDeadError, RequestFailedError) as exc:
         status, message = _failure(exc)
         yield sse(error_body(status, message))

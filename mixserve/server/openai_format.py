@@ -66,6 +66,7 @@ class Formatter:
         self.tokenizer = tokenizer
         self.created = int(time.time())
         self.text_offsets: dict[int, int] = {}  # per choice: where its next token's text begins
+        self._delta_head: str | None = None  # delta_event's fixed start, built at its first use
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -134,6 +135,23 @@ class Formatter:
         else:
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
         return self._chunk([choice], usage)
+
+    def delta_event(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None,
+                    usage: Usage | None = None, index: int = 0) -> str:
+        """`sse(delta_chunk(...))`, byte for byte. The common chunk (text only: no finish, logprobs or
+        usage) is the request's fixed JSON around the text's own `json.dumps`, ~4x cheaper than dumping
+        the whole dict: the event loop formats one per stream per step (tests/server/test_app.py)."""
+        if finish_reason is not None or logprobs is not None or usage is not None:
+            return sse(self.delta_chunk(text, finish_reason, logprobs, usage, index))
+        if self._delta_head is None:
+            obj = "chat.completion.chunk" if self.chat else "text_completion"
+            self._delta_head = (f"data: {{\"id\": {json.dumps(self.id, ensure_ascii=False)}, \"object\": "
+                                f"\"{obj}\", \"created\": {self.created}, \"model\": "
+                                f"{json.dumps(self.model, ensure_ascii=False)}, \"choices\": [{{\"index\": ")
+        field = "\"delta\": {\"content\": " if self.chat else "\"text\": "
+        close = "}" if self.chat else ""
+        return (f"{self._delta_head}{index}, {field}{json.dumps(text, ensure_ascii=False)}{close}, "
+                f"\"logprobs\": null, \"finish_reason\": null}}]}}\n\n")
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         """The last chunk of a stream with `include_usage`: no choices, only the counts."""
