@@ -15,8 +15,9 @@ port must not be able to run code in the engine by sending a pickle.
 Failure: a peer that dies closes its sockets, and gloo fails the pending recv at once ("Connection closed
 by peer"); a peer that hangs (SIGSTOP, a stuck host) keeps its sockets open, so every sender also sends
 a ping when it has had nothing to send for PING_S, and a receiver that hears nothing for SILENCE_S
-declares the link dead. Either way `error` turns non-None and stays so (a link is never reconnected: the
-engine that owns it dies, as a dead tensor-parallel rank makes it, and a supervisor restarts the pair).
+(longer while a tensor comes in: MIN_BYTES_PER_S) declares the link dead. Either way `error` turns
+non-None and stays so (a link is never reconnected: the engine that owns it dies, as a dead
+tensor-parallel rank makes it, and a supervisor restarts the pair).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 PING_S = 1.0  # a sender with nothing to send for this long sends a ping
 SILENCE_S = 8.0  # a receiver that hears nothing (not even a ping) for this long: the peer is hung
+# While a tensor comes in, the silence allowed grows by its size at this rate (pings queue behind it): a
+# 4 GB payload (32k tokens of an 8B model) needs 32 s on 1 Gbit/s, and a healthy peer must not look hung.
+MIN_BYTES_PER_S = 50e6
 RENDEZVOUS_TIMEOUT = timedelta(seconds=300)  # the other instance may still be loading its model
 IDLE_TIMEOUT = timedelta(days=7)  # a receiver waits for the next message as long as it takes
 PREFILL, DECODE = "prefill", "decode"
@@ -90,6 +94,7 @@ class KVLink:
         self._error: str | None = None
         self._closing = False
         self.last_heard = time.monotonic()
+        self._transfer_s = 0.0  # extra silence allowed while a tensor is coming in
         self.peer_hello: dict[str, Any] = {}
 
     @classmethod
@@ -139,7 +144,7 @@ class KVLink:
     def error(self) -> str | None:
         """Why the link is dead (the peer died, hung or left), or None while it works."""
         silent = time.monotonic() - self.last_heard
-        if self._error is None and silent > SILENCE_S:
+        if self._error is None and silent > SILENCE_S + self._transfer_s:
             self._fail(f"no word from the {self.peer_role} instance for {silent:.1f} s (hung?)")
         return self._error
 
@@ -215,5 +220,10 @@ class KVLink:
         tensor = None
         if "shape" in header:
             tensor = torch.empty(header["shape"], dtype=DTYPES[header["dtype"]])
-            self._in.recv([tensor], self._peer_rank, 0).wait()
+            self.last_heard, self._transfer_s = time.monotonic(), tensor.nbytes / MIN_BYTES_PER_S
+            try:
+                self._in.recv([tensor], self._peer_rank, 0).wait()
+            finally:  # heard first, grace gone second: `error` on another thread never sees the transfer's
+                self.last_heard = time.monotonic()  # whole length as silence
+                self._transfer_s = 0.0
         return header, tensor

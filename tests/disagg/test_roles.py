@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import threading
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from mixserve.config import EngineConfig, RuntimeConfig, ServerConfig, load_config
+from mixserve.disagg import link as link_module
 from mixserve.disagg.kv_blocks import check_peer, num_full_blocks
-from mixserve.disagg.link import one_line, parse_peer
+from mixserve.disagg.link import DECODE, SILENCE_S, KVLink, one_line, parse_peer
 from mixserve.disagg.roles import check_role
 
 
@@ -54,3 +59,38 @@ def test_what_is_handed_over_and_how_a_gloo_error_reads():
     exc = RuntimeError("[/x/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5. This is "
                        "typically caused by a remote worker crashing.")
     assert one_line(exc) == "Connection closed by peer [127.0.0.1]:5"
+
+
+class _Incoming:
+    """A link's incoming group: hands out one header, then blocks in its tensor until `release` is set."""
+
+    def __init__(self, header: dict) -> None:
+        data = json.dumps(header).encode()
+        self.parts = [torch.tensor([len(data)]), torch.frombuffer(bytearray(data), dtype=torch.uint8)]
+        self.receiving, self.release = threading.Event(), threading.Event()
+
+    def recv(self, tensors: list, rank: int, tag: int) -> SimpleNamespace:
+        def fill() -> None:
+            if self.parts:
+                tensors[0].copy_(self.parts.pop(0))
+            else:
+                self.receiving.set()
+                self.release.wait()
+
+        return SimpleNamespace(wait=fill)
+
+
+def test_a_tensor_still_coming_in_is_not_silence(monkeypatch):
+    # a healthy peer sending a big payload pings nothing meanwhile: the silence allowed grows with its size
+    monkeypatch.setattr(link_module, "MIN_BYTES_PER_S", 1.0)  # 64 bytes: 64 s more
+    incoming = _Incoming({"kind": "kv", "shape": [16], "dtype": "float32"})
+    link = KVLink(DECODE, None, None, incoming)  # the decode end receives on "down"
+    receiver = threading.Thread(target=link._recv)
+    receiver.start()
+    assert incoming.receiving.wait(30)
+    link.last_heard -= SILENCE_S + 1  # as if 9 s of the transfer had passed
+    assert link.error is None
+    incoming.release.set()
+    receiver.join(30)
+    link.last_heard -= SILENCE_S + 1  # once it is in, silence is silence again
+    assert link.error is not None and "hung" in link.error
