@@ -102,7 +102,8 @@ class Scheduler:
             share = WaitingShare(self.step_budget, self._features(step), self.waiting_share)
             self._admit_waiting(step, partial, share.take)
         for r in list(self._running):
-            if r.status is Status.RUNNING and r.is_prefilling:
+            # (one chunk a step: a prompt the share just admitted already has its chunk in this step)
+            if r.status is Status.RUNNING and r.is_prefilling and r.request_id not in step.chunks:
                 if self._schedule_chunk(r, step) == 0:
                     break
         # 3. Waiting requests in arrival order; one that cannot start holds back those behind it, except a

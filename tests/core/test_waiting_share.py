@@ -126,8 +126,6 @@ def test_share_zero_schedules_as_before_and_bad_shares_are_refused():
         make(False).with_step_budget(TpotBudget(StepCostModel(COST), TARGET_S), waiting_share=-0.1)
 
 
-@pytest.mark.xfail(strict=True, reason="core/scheduler.py phase 2 gives a prompt the share admitted in "
-                   "part a second chunk in the same step, overwriting the first (review 2026-12-01)")
 def test_a_prompt_the_share_admits_gets_one_chunk_per_step_whatever_the_policy():
     # a policy chunk (16) shorter than the prompt (40): the share admits it with its first 16 tokens; the
     # partial prefills that follow must not give it a second chunk, which replaced the first in the step
