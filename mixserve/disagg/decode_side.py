@@ -85,6 +85,7 @@ class DecodeEngine(LLMEngine):
         if not isinstance(self.scheduler.blocks, PrefixCachingPool):
             raise ValueError("role decode: needs enable_prefix_caching (imported blocks enter the cache)")
         self.link, self.timeout_s, self.min_tokens = link, timeout_s, min_tokens
+        link.max_tensor_bytes = self.runner.kv_cache.nbytes  # no prompt's KV is larger
         link.start(lambda header, tensor: self._arrivals.append((header, tensor)))
 
     @property

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
 import re
 import socket
@@ -43,6 +44,7 @@ SILENCE_S = 8.0  # a receiver that hears nothing (not even a ping) for this long
 # While a tensor comes in, the silence allowed grows by its size at this rate (pings queue behind it): a
 # 4 GB payload (32k tokens of an 8B model) needs 32 s on 1 Gbit/s, and a healthy peer must not look hung.
 MIN_BYTES_PER_S = 50e6
+MAX_HEADER_BYTES = 64 << 20  # a JSON header (a prompt's ids) larger than this is not a peer of ours
 RENDEZVOUS_TIMEOUT = timedelta(seconds=300)  # the other instance may still be loading its model
 IDLE_TIMEOUT = timedelta(days=7)  # a receiver waits for the next message as long as it takes
 PREFILL, DECODE = "prefill", "decode"
@@ -96,6 +98,9 @@ class KVLink:
         self.last_heard = time.monotonic()
         self._transfer_s = 0.0  # extra silence allowed while a tensor is coming in
         self.peer_hello: dict[str, Any] = {}
+        # The largest tensor this end accepts (0: none; the decode side sets its KV cache's size): the
+        # header names the shape, and whoever reaches the port must not make us allocate without bound.
+        self.max_tensor_bytes = 0
 
     @classmethod
     def connect(cls, role: str, host: str, port: int, hello: dict[str, Any],
@@ -214,12 +219,18 @@ class KVLink:
     def _recv(self) -> tuple[dict[str, Any], torch.Tensor | None]:
         size = torch.empty(1, dtype=torch.int64)
         self._in.recv([size], self._peer_rank, 0).wait()
+        if not 0 < int(size.item()) <= MAX_HEADER_BYTES:
+            raise ValueError(f"a message header of {int(size.item())} bytes (at most {MAX_HEADER_BYTES})")
         buf = torch.empty(int(size.item()), dtype=torch.uint8)
         self._in.recv([buf], self._peer_rank, 0).wait()
         header = json.loads(buf.numpy().tobytes().decode())
         tensor = None
         if "shape" in header:
-            tensor = torch.empty(header["shape"], dtype=DTYPES[header["dtype"]])
+            shape, dtype = [int(n) for n in header["shape"]], DTYPES[header["dtype"]]
+            nbytes = math.prod(shape) * dtype.itemsize
+            if min(shape, default=1) < 0 or nbytes > self.max_tensor_bytes:
+                raise ValueError(f"a {nbytes}-byte tensor {shape} (at most {self.max_tensor_bytes} here)")
+            tensor = torch.empty(shape, dtype=dtype)
             self.last_heard, self._transfer_s = time.monotonic(), tensor.nbytes / MIN_BYTES_PER_S
             try:
                 self._in.recv([tensor], self._peer_rank, 0).wait()

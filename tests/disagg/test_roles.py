@@ -85,6 +85,7 @@ def test_a_tensor_still_coming_in_is_not_silence(monkeypatch):
     monkeypatch.setattr(link_module, "MIN_BYTES_PER_S", 1.0)  # 64 bytes: 64 s more
     incoming = _Incoming({"kind": "kv", "shape": [16], "dtype": "float32"})
     link = KVLink(DECODE, None, None, incoming)  # the decode end receives on "down"
+    link.max_tensor_bytes = 64
     receiver = threading.Thread(target=link._recv)
     receiver.start()
     assert incoming.receiving.wait(30)
@@ -94,3 +95,13 @@ def test_a_tensor_still_coming_in_is_not_silence(monkeypatch):
     receiver.join(30)
     link.last_heard -= SILENCE_S + 1  # once it is in, silence is silence again
     assert link.error is not None and "hung" in link.error
+
+
+def test_a_header_naming_a_tensor_over_the_cap_allocates_nothing():
+    # whoever reaches the port names the shape: over what this end accepts, the message is refused unread
+    incoming = _Incoming({"kind": "kv", "shape": [1 << 40], "dtype": "float32"})
+    link = KVLink(DECODE, None, None, incoming)
+    link.max_tensor_bytes = 1 << 20
+    with pytest.raises(ValueError, match="4398046511104-byte tensor"):
+        link._recv()
+    assert not incoming.receiving.is_set()  # the tensor's recv was never posted
