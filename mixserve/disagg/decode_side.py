@@ -130,7 +130,10 @@ class DecodeEngine(LLMEngine):
         if self.link is None:
             return super().has_unfinished()
         now = time.monotonic()
-        return (self.link.error is not None or bool(self._arrivals) or super().has_unfinished()
+        # an arrival for a request aborted meanwhile is nothing left to do (after a failed step the async
+        # engine aborts every request and restarts only if nothing is unfinished); list(): one C call
+        pending = any(str(h.get("rid")) in self._remote for h, _ in list(self._arrivals))
+        return (self.link.error is not None or pending or super().has_unfinished()
                 or any(r.payload is not None or now > r.deadline for r in self._remote.values()))
 
     def stats(self) -> EngineStats:

@@ -144,3 +144,20 @@ def test_an_import_waiting_behind_others_holds_no_blocks_past_its_step(make_pair
     assert done == expected
     assert decode.num_imported == 1 and decode.pool.num_held() == 0
     decode.pool.check()
+
+
+def test_kv_arriving_for_an_aborted_prompt_leaves_nothing_unfinished(make_pair):
+    # after a failed step the async engine aborts every request and restarts only if nothing is left
+    # unfinished: KV that comes back for a prompt aborted meanwhile must not count as work
+    cfg = options(num_blocks=256, prefill_chunk=8)
+    prefill, decode = make_pair(cfg, cfg)
+    decode.add_request("r0", prompts([30], salt=7)[0], GREEDY)
+    deadline = time.monotonic() + DEADLINE_S
+    while not decode._arrivals:  # its KV on the way back, not yet taken by a step
+        assert time.monotonic() < deadline, "the KV never came back"
+        if prefill.has_unfinished():
+            prefill.step()
+        time.sleep(0.001)
+    assert decode.has_unfinished()
+    decode.abort("r0")
+    assert decode._arrivals and not decode.has_unfinished()
