@@ -34,6 +34,8 @@ def check_role(cfg: RuntimeConfig) -> None:
     if role not in ROLES:
         raise ValueError(f"role: expected one of {', '.join(ROLES)}, got {role!r}")
     if role == "both":
+        if peer:  # most likely a forgotten --role: serving alone would silently ignore the peer
+            raise ValueError(f"kv_peer {peer}: set only with role prefill or decode (role is both)")
         return
     if not peer:
         raise ValueError(f"role {role}: needs kv_peer HOST:PORT (where the prefill instance listens)")

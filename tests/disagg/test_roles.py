@@ -24,6 +24,7 @@ def config(engine: EngineConfig | None = None, **server: object) -> RuntimeConfi
 
 @pytest.mark.parametrize(("cfg", "message"), [
     (config(role="decode"), "needs kv_peer"),
+    (config(kv_peer="127.0.0.1:9000"), "only with role prefill or decode"),
     (config(role="prefill", kv_peer="nohost"), "kv_peer: expected HOST:PORT"),
     (config(EngineConfig(tensor_parallel_size=2), role="decode", kv_peer="127.0.0.1:1"), "tensor_parallel"),
     (config(EngineConfig(enable_prefix_caching=False), role="prefill", kv_peer="h:2"), "prefix_caching"),
