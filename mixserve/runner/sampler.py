@@ -52,8 +52,8 @@ def row_seed(seed: int, num_generated: int) -> int:
 
 
 class Sampler:
-    """Picks one token per logits row: argmax for temperature 0, else the Gumbel-max trick
-    (argmax of probs / Exp(1) noise), which lets every row draw its noise from its own generator."""
+    """Picks one token per logits row: argmax for temperature 0, else inverse-CDF sampling with one
+    uniform number per row, which lets every row draw it from its own generator (per-request seeds)."""
 
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -86,22 +86,33 @@ class Sampler:
             probs = x.softmax(dim=-1)
             min_p = torch.tensor([r.min_p for r in rows], device=dev).unsqueeze(1)
             x = x.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), _MASK)
-        probs = x.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        shared = [i for i, r in enumerate(rows) if r.seed is None]
-        if shared:
-            drawn = torch.empty((len(shared), vocab), device=dev)
-            noise[shared] = drawn.exponential_(generator=self.generator)
-        for i, r in enumerate(rows):
-            if r.seed is not None:
-                gen = torch.Generator(device=dev)
-                gen.manual_seed(r.seed)
-                noise[i].exponential_(generator=gen)
-        sampled = argmax_rows(probs / noise)
+        # Inverse CDF: the first token whose cumulative probability exceeds u * total, u ~ U[0, 1) one
+        # number per row (a filtered-out token adds nothing to the sum, so it is never the first). Gumbel
+        # noise over the whole vocabulary took 43 of a 49 ms sample of 40 rows (49,152 exponential draws
+        # each on the CPU generator); this takes ~3 ms. Float64 sums, so the tail is not rounded away.
+        cdf = x.softmax(dim=-1).double().cumsum(dim=-1)
+        total = cdf[:, -1:]
+        u = self._uniforms(rows, dev).unsqueeze(1)
+        point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        sampled = torch.searchsorted(cdf, point, right=True).squeeze(1).clamp_(max=vocab - 1)
         if any(greedy):
             mask = torch.tensor(greedy, device=dev)
             sampled = torch.where(mask, argmax_rows(logits), sampled)
         return sampled
+
+    def _uniforms(self, rows: list[SamplingRow], dev: torch.device) -> torch.Tensor:
+        """One U[0, 1) float64 per row: a seeded row's from its own generator (its seed already mixes in
+        the position, so it does not depend on the batch), the others' from the sampler's generator."""
+        shared = [i for i, r in enumerate(rows) if r.seed is None]
+        u = torch.empty(len(rows), dtype=torch.float64)
+        if shared:
+            drawn = torch.rand(len(shared), generator=self.generator, dtype=torch.float64, device=self.device)
+            u[shared] = drawn.cpu()
+        gen = torch.Generator()  # on the CPU whatever the device: one number, no kernel launch
+        for i, r in enumerate(rows):
+            if r.seed is not None:
+                u[i] = torch.rand((), generator=gen.manual_seed(r.seed), dtype=torch.float64)
+        return u.to(dev)
 
     @staticmethod
     def _top_k_top_p(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

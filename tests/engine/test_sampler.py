@@ -77,3 +77,15 @@ def test_tiny_temperature_samples_greedily_instead_of_overflowing():
     rows = [SamplingRow(temperature=5e-324), SamplingRow(temperature=1e-7, top_p=1e-300)]
     out = Sampler(seed=0)(logits, rows)
     assert out.token_ids == [1, 0]
+
+
+def test_the_ends_of_the_uniform_never_pick_a_filtered_token(monkeypatch) -> None:
+    # inverse-CDF sampling: u = 0 and u just below 1 land on the first and last token left by top-k,
+    # never on a filtered one before or after them (their probability adds nothing to the sum)
+    x = torch.tensor([[0.0, 5.0, 1.0, 4.0, 0.5], [9.0, 0.0, 0.0, 0.0, 8.0]])
+    rows = [SamplingRow(temperature=1.0, top_k=2)] * 2
+    for u, expected in ((0.0, [1, 0]), (1.0 - 2**-53, [3, 4])):
+        sampler = Sampler(seed=0)
+        monkeypatch.setattr(sampler, "_uniforms", lambda rows, dev, u=u: torch.full((len(rows),), u,
+                                                                                 dtype=torch.float64))
+        assert sampler(x, rows).token_ids == expected
