@@ -7,70 +7,20 @@
 //
 // Work item = (sequence, KV head, tile of up to TILE_TOKENS query tokens): the tile's query rows are every
 // query head of that KV head's GQA group, so each K/V element read from the cache serves G heads. Keys go
-// in tiles of KEY_TILE (16 = one AVX-512 register of fp32 scores per row); online softmax per row.
+// in tiles of KEY_TILE (16 = one AVX-512 register of fp32 scores per row); online softmax per row. A float32
+// decode is one item over all its KV heads instead (paged_decode.h), reading each block once.
 #include <omp.h>
 
 #include <vector>
 
 #include "common.h"
+#include "paged_decode.h"
+#include "paged_tiles.h"
 #include "vec16.h"
 
 using namespace mixserve;
 
 namespace {
-
-constexpr int KEY_TILE = 16;
-constexpr int PREFETCH_TILES = 2;  // how far ahead the K/V rows are asked for (1 measured the same)
-constexpr int TILE_TOKENS = 16;
-constexpr int MAX_ROWS = 128;  // TILE_TOKENS * the largest GQA group a tile takes (G <= 8)
-constexpr int MAX_HEAD_DIM = 256;
-// A finite "minus infinity": the library is built with -ffinite-math-only, which assumes no infinities.
-constexpr float NEG_BIG = -1e30f;
-
-struct Item {
-    int64_t seq, kv_head, q_begin, q_end;  // q_begin/q_end: packed token indices of the tile
-};
-
-struct Shape {
-    int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
-    int64_t q_stride_t, q_stride_h, o_stride_t, o_stride_h;
-    float scale;
-};
-
-// Rows of K (or V) for one key tile as float pointers: float32 caches are read in place, bfloat16 rows
-// are widened into `buf` once per tile.
-template <typename T, int DC>
-inline void tile_rows(const T* cache, const int64_t* table, int64_t k0, int64_t nk, int64_t head_off,
-                      const Shape& sh, float (*buf)[MAX_HEAD_DIM], const float** rows) {
-    const int64_t D = DC ? DC : sh.head_dim, kv_row = sh.num_kv_heads * D;
-    int64_t blk = k0 / sh.block_size, off = k0 % sh.block_size;  // one division a tile, not two a key
-    for (int64_t j = 0; j < nk; ++j, ++off) {
-        if (off == sh.block_size) off = 0, ++blk;
-        const T* src = cache + (table[blk] * sh.block_size + off) * kv_row + head_off;
-        if constexpr (sizeof(T) == sizeof(float)) {
-            rows[j] = reinterpret_cast<const float*>(src);
-        } else {
-            for (int64_t d = 0; d < D; ++d) buf[j][d] = load(src + d);
-            rows[j] = buf[j];
-        }
-    }
-}
-
-// Asks for the rows of keys [k0, k0 + nk) of one KV head ahead of their use. Each row is a short run (head_dim
-// elements) at a stride of num_kv_heads rows, which the hardware prefetchers follow poorly: without this a
-// decode waited on memory at each key tile (~20% of its attention time here).
-template <typename T>
-inline void prefetch_rows(const T* cache, const int64_t* table, int64_t k0, int64_t nk, int64_t head_off,
-                          int64_t D, const Shape& sh) {
-    const int64_t kv_row = sh.num_kv_heads * D, bytes = D * static_cast<int64_t>(sizeof(T));
-    int64_t blk = k0 / sh.block_size, off = k0 % sh.block_size;
-    for (int64_t j = 0; j < nk; ++j, ++off) {
-        if (off == sh.block_size) off = 0, ++blk;
-        const char* src = reinterpret_cast<const char*>(cache + (table[blk] * sh.block_size + off) * kv_row
-                                                        + head_off);
-        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(src + b);
-    }
-}
 
 static_assert(KEY_TILE == 16, "a row's scores for one key tile are one vf16");
 
@@ -217,14 +167,22 @@ void run(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* 
     items.reserve(num_seqs * sh.num_kv_heads);
     // Longest contexts first: with dynamic scheduling, the big prefill tiles start early and the cheap
     // decodes fill in behind them on whichever thread is free.
-    for (int64_t s = 0; s < num_seqs; ++s)
+    // A float32 decode is one item over all KV heads (kv_head -1: attend_decode) where its rows fit a tile.
+    const bool whole = sizeof(T) == sizeof(float) && (sh.head_dim == 64 || sh.head_dim == 128)
+                       && sh.num_heads <= MAX_ROWS;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        if (whole && query_start[s + 1] - query_start[s] == 1) {
+            items.push_back({s, -1, query_start[s], query_start[s] + 1});
+            continue;
+        }
         for (int64_t b = query_start[s]; b < query_start[s + 1]; b += tokens)
             for (int64_t h = 0; h < sh.num_kv_heads; ++h)
                 items.push_back({s, h, b, std::min(b + tokens, query_start[s + 1])});
-    std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
-        const int64_t wa = (a.q_end - a.q_begin) * seq_lens[a.seq], wb = (b.q_end - b.q_begin) * seq_lens[b.seq];
-        return wa > wb;
-    });
+    }
+    auto weight = [&](const Item& a) {
+        return (a.q_end - a.q_begin) * seq_lens[a.seq] * (a.kv_head < 0 ? sh.num_kv_heads : 1);
+    };
+    std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return weight(a) > weight(b); });
     const int64_t n = static_cast<int64_t>(items.size());
     // Head dims 64 and 128 (most Llama-family models) get the loops unrolled at compile time.
     auto tile = sh.head_dim == 64    ? attend_tile<T, 64>
@@ -232,10 +190,18 @@ void run(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* 
                                      : attend_tile<T, 0>;
     // A thread grabs all KV heads of one (sequence, tile) (adjacent after the sort): their rows interleave in
     // memory, so it streams the blocks (decodes ~1.1x faster than one head per grab, measured side by side).
-    const int64_t grab = sh.num_kv_heads;
+    const int64_t grab = whole ? 1 : sh.num_kv_heads;  // decodes are whole items then: 1 balances them
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, grab)
-    for (int64_t i = 0; i < n; ++i)
+    for (int64_t i = 0; i < n; ++i) {
+        if constexpr (sizeof(T) == sizeof(float)) {
+            if (items[i].kv_head < 0) {
+                (sh.head_dim == 64 ? attend_decode<64> : attend_decode<128>)(items[i], q, k_cache, v_cache, out,
+                                                                              seq_lens, block_tables, sh);
+                continue;
+            }
+        }
         tile(items[i], q, k_cache, v_cache, out, query_start, seq_lens, block_tables, sh);
+    }
 }
 
 // K and V of the step's tokens into their slots (block * block_size + offset): one pass, strided inputs.

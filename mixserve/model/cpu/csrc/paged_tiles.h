@@ -1,0 +1,64 @@
+// What the paged attention kernel's tile loops share: sizes, a work item, the shape, and the reads of one
+// key tile's K/V rows from the paged cache (pointers into it, or widened copies for bfloat16).
+#pragma once
+#include <stdint.h>
+
+#include "common.h"
+
+namespace mixserve {
+
+constexpr int KEY_TILE = 16;
+constexpr int PREFETCH_TILES = 2;  // how far ahead the K/V rows are asked for (1 measured the same)
+constexpr int TILE_TOKENS = 16;
+constexpr int MAX_ROWS = 128;  // TILE_TOKENS * the largest GQA group a tile takes (G <= 8)
+constexpr int MAX_HEAD_DIM = 256;
+// A finite "minus infinity": the library is built with -ffinite-math-only, which assumes no infinities.
+constexpr float NEG_BIG = -1e30f;
+
+struct Item {
+    int64_t seq, kv_head, q_begin, q_end;  // q_begin/q_end: packed token indices of the tile
+};
+
+struct Shape {
+    int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+    int64_t q_stride_t, q_stride_h, o_stride_t, o_stride_h;
+    float scale;
+};
+
+// Rows of K (or V) for one key tile as float pointers: float32 caches are read in place, bfloat16 rows
+// are widened into `buf` once per tile.
+template <typename T, int DC>
+inline void tile_rows(const T* cache, const int64_t* table, int64_t k0, int64_t nk, int64_t head_off,
+                      const Shape& sh, float (*buf)[MAX_HEAD_DIM], const float** rows) {
+    const int64_t D = DC ? DC : sh.head_dim, kv_row = sh.num_kv_heads * D;
+    int64_t blk = k0 / sh.block_size, off = k0 % sh.block_size;  // one division a tile, not two a key
+    for (int64_t j = 0; j < nk; ++j, ++off) {
+        if (off == sh.block_size) off = 0, ++blk;
+        const T* src = cache + (table[blk] * sh.block_size + off) * kv_row + head_off;
+        if constexpr (sizeof(T) == sizeof(float)) {
+            rows[j] = reinterpret_cast<const float*>(src);
+        } else {
+            for (int64_t d = 0; d < D; ++d) buf[j][d] = load(src + d);
+            rows[j] = buf[j];
+        }
+    }
+}
+
+// Asks for the rows of keys [k0, k0 + nk) of one KV head ahead of their use. Each row is a short run (head_dim
+// elements) at a stride of num_kv_heads rows, which the hardware prefetchers follow poorly: without this a
+// decode waited on memory at each key tile (~20% of its attention time here).
+// `heads` KV heads from head_off on (adjacent in the cache): a decode over all heads asks for whole rows.
+template <typename T>
+inline void prefetch_rows(const T* cache, const int64_t* table, int64_t k0, int64_t nk, int64_t head_off,
+                          int64_t D, const Shape& sh, int64_t heads = 1) {
+    const int64_t kv_row = sh.num_kv_heads * D, bytes = heads * D * static_cast<int64_t>(sizeof(T));
+    int64_t blk = k0 / sh.block_size, off = k0 % sh.block_size;
+    for (int64_t j = 0; j < nk; ++j, ++off) {
+        if (off == sh.block_size) off = 0, ++blk;
+        const char* src = reinterpret_cast<const char*>(cache + (table[blk] * sh.block_size + off) * kv_row
+                                                        + head_off);
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(src + b);
+    }
+}
+
+}  // namespace mixserve
