@@ -77,3 +77,19 @@ def test_decode_steps_reads_only_full_decode_steps(tmp_path: Path) -> None:
     got = serve_overhead.decode_steps(trace, 4)
     assert got["steps"] == 3 and got["duration_p50_s"] == pytest.approx(0.1)
     assert got["period_p50_s"] == pytest.approx(0.2)
+
+
+def test_workload_m_times_the_long_prompt_alone_on_prompts_the_server_has_not_cached():
+    # M's own long prompts sit in the prefix cache after M: timing one of them "alone" measured a cache hit
+    from bench import workload_m
+    from mixserve.bench.workload import DEFAULT_VOCAB_SIZE
+    from mixserve.bench.workload import workload_m as make_m
+
+    m = make_m(num_short=48, short_rate=2.0, short_input=(32, 128), short_output=64,
+               long_input_len=workload_m.LONG_LEN, long_output=8, vocab_size=DEFAULT_VOCAB_SIZE, seed=0)
+    in_m = {tuple(s.prompt[:16]) for s in m if s.kind == "long"}
+    alone = workload_m.alone_specs()
+    firsts = {tuple(s.prompt[:16]) for s in alone}
+    assert len(firsts) == len(alone) == workload_m.ALONE_REPEATS  # no two share even a first block
+    assert not firsts & in_m
+    assert all(len(s.prompt) == workload_m.LONG_LEN and s.output_len == 1 for s in alone)
