@@ -24,18 +24,19 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> 
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
-def run_random_batch(seed: int, hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype) -> float:
+def run_random_batch(seed: int, hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype,
+                     max_start: int = 70, max_chunk: int = 40) -> float:
     """A random mixed batch on scattered blocks; returns the largest error against the reference."""
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
-    num_blocks = 256
+    num_blocks = 256 * max(1, (max_start + max_chunk) // 110)
     free = list(range(num_blocks))
     rng.shuffle(free)
     k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
     seqs, histories = [], []
     for i in range(rng.randint(1, 7)):
-        start = rng.choice([0, 0, rng.randint(1, 70)])
-        n = rng.choice([1, 1, rng.randint(1, 40)])  # decodes, and chunks across tile edges
+        start = rng.choice([0, 0, rng.randint(1, max_start)])
+        n = rng.choice([1, 1, rng.randint(1, max_chunk)])  # decodes, and chunks across tile edges
         table = [free.pop() for _ in range(-(-(start + n) // bs))]
         seqs.append(ForwardSeq(str(i), [0] * n, start, table))
         histories.append((start, n, table))
@@ -59,13 +60,24 @@ def run_random_batch(seed: int, hq: int, hkv: int, d: int, bs: int, dtype: torch
     return worst
 
 
-# (9, 3, 64) and (6, 3, 128): decodes take the few-row score path (vec16.h), chunks the transposed one
+# (9, 3, 64) and (6, 3, 128): decodes take the few-row score path (vec16.h), chunks the key-major one
+# (paged_chunk.h); (8, 1, 128): a tile of 16 tokens fills all 128 rows
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (6, 3, 128), (8, 8, 16), (8, 1, 128), (4, 2, 80),
                                               (16, 2, 32)])
 @pytest.mark.parametrize("bs", [1, 4, 16])
 def test_float32_mixed_batches_match_the_definition(hq: int, hkv: int, d: int, bs: int) -> None:
     for seed in range(3):
         assert run_random_batch(seed, hq, hkv, d, bs, torch.float32) < 2e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (8, 1, 128), (6, 3, 128)])
+def test_long_contexts_and_chunks_match_the_definition(hq: int, hkv: int, d: int, dtype: torch.dtype) -> None:
+    # Chunks of up to 90 tokens at positions up to 400: many key tiles before each chunk's diagonal, a
+    # diagonal crossing tiles and tokens; partial last tiles (rows not a multiple of 16).
+    for seed in range(2):
+        bound = 2e-5 if dtype == torch.float32 else 2 ** -8 * 2
+        assert run_random_batch(seed, hq, hkv, d, 16, dtype, max_start=400, max_chunk=90) < bound
 
 
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 2, 80)])

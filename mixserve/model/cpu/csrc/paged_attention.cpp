@@ -14,8 +14,10 @@
 #include <vector>
 
 #include "common.h"
+#include "paged_chunk.h"
 #include "paged_decode.h"
 #include "paged_tiles.h"
+#include "softmax16.h"
 #include "vec16.h"
 
 using namespace mixserve;
@@ -27,7 +29,8 @@ static_assert(KEY_TILE == 16, "a row's scores for one key tile are one vf16");
 // Scores of `rows` query rows against one transposed key tile: sc[r][j] = q_r . k_j. Four rows at a
 // time, each over two halves of d: eight independent FMA chains hide the FMA latency, and each kt[d]
 // load serves four rows.
-inline void tile_scores(const float (*qs)[MAX_HEAD_DIM], const vf16* kt, int64_t rows, int64_t D,
+template <int LD>
+inline void tile_scores(const float (*qs)[LD], const vf16* kt, int64_t rows, int64_t D,
                         float (*sc)[KEY_TILE]) {
     int64_t r = 0;
     for (; r + 4 <= rows && D % 2 == 0; r += 4) {
@@ -69,9 +72,12 @@ void attend_tile(const Item& it, const T* q, const T* k_cache, const T* v_cache,
     // Few rows (decodes): straight from the cache rows (vec16.h: few_row_scores). Many rows (chunks):
     // K transposed once per tile, so each row's 16 scores are D broadcast-FMAs into one vector.
     const bool transpose = rows >= 8;
+    // Rows as long as the head (a compile-time DC): at MAX_HEAD_DIM floats apart, qs and acc rows fell into a
+    // quarter of L1's sets and evicted each other.
+    constexpr int LD = DC > 0 ? DC : MAX_HEAD_DIM;
 
-    alignas(64) float qs[MAX_ROWS][MAX_HEAD_DIM];
-    alignas(64) float acc[MAX_ROWS][MAX_HEAD_DIM];
+    alignas(64) float qs[MAX_ROWS][LD];
+    alignas(64) float acc[MAX_ROWS][LD];
     vf16 kt[MAX_HEAD_DIM];  // kt[d][j] = K[key j][d]
     alignas(64) float kbuf[KEY_TILE][MAX_HEAD_DIM];
     alignas(64) float vbuf[KEY_TILE][MAX_HEAD_DIM];
@@ -109,7 +115,7 @@ void attend_tile(const Item& it, const T* q, const T* k_cache, const T* v_cache,
             }
             tile_scores(qs, kt, rows, D, sc);
         } else if constexpr (DC > 0 && DC % 16 == 0) {
-            few_row_scores<DC, MAX_HEAD_DIM>(qs, krow, rows, nk, sc);
+            few_row_scores<DC, LD>(qs, krow, rows, nk, sc);
         } else {
             for (int64_t r = 0; r < rows; ++r)
                 for (int64_t j = 0; j < nk; ++j) {
@@ -127,6 +133,11 @@ void attend_tile(const Item& it, const T* q, const T* k_cache, const T* v_cache,
                 for (int j = 0; j < KEY_TILE; ++j) s[j] = 0.f;
                 continue;
             }
+            if constexpr (DC > 0 && DC % 16 == 0) {
+                alpha_r[r] = softmax_tile_row(s, visible, m[r], l[r]);
+                nv = std::max(nv, visible);
+                continue;
+            }
             float tile_max = NEG_BIG;
             for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
             const float m_new = std::max(m[r], tile_max);
@@ -140,14 +151,12 @@ void attend_tile(const Item& it, const T* q, const T* k_cache, const T* v_cache,
             m[r] = m_new;
             alpha_r[r] = alpha;
             nv = std::max(nv, visible);
-            if constexpr (!(DC > 0 && DC % 16 == 0)) {
-                float* a = acc[r];
-                for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
-                for (int64_t j = 0; j < visible; ++j)
-                    for (int64_t d = 0; d < D; ++d) a[d] += s[j] * vrow[j][d];
-            }
+            float* a = acc[r];
+            for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+            for (int64_t j = 0; j < visible; ++j)
+                for (int64_t d = 0; d < D; ++d) a[d] += s[j] * vrow[j][d];
         }
-        if constexpr (DC > 0 && DC % 16 == 0) scale_accumulate<DC, MAX_HEAD_DIM>(acc, alpha_r, sc, vrow, nv, rows);
+        if constexpr (DC > 0 && DC % 16 == 0) scale_accumulate<DC, LD>(acc, alpha_r, sc[0], KEY_TILE, 1, vrow, nv, rows);
     }
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t t = r / G, h = it.kv_head * G + r % G;
@@ -190,7 +199,9 @@ void run(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* 
                                      : attend_tile<T, 0>;
     // A thread grabs all KV heads of one (sequence, tile) (adjacent after the sort): their rows interleave in
     // memory, so it streams the blocks (decodes ~1.1x faster than one head per grab, measured side by side).
-    const int64_t grab = whole ? 1 : sh.num_kv_heads;  // decodes are whole items then: 1 balances them
+    const int64_t grab = whole ? 1 : sh.num_kv_heads;
+    // Chunk tiles (8+ query rows) take the key-major kernel (paged_chunk.h) where the head dim allows.
+    const bool chunked = sh.head_dim == 64 || sh.head_dim == 128;  // decodes are whole items then: 1 balances them
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, grab)
     for (int64_t i = 0; i < n; ++i) {
         if constexpr (sizeof(T) == sizeof(float)) {
@@ -199,6 +210,11 @@ void run(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* 
                                                                               seq_lens, block_tables, sh);
                 continue;
             }
+        }
+        if (chunked && (items[i].q_end - items[i].q_begin) * G >= 8) {
+            (sh.head_dim == 64 ? attend_chunk<T, 64> : attend_chunk<T, 128>)(items[i], q, k_cache, v_cache, out,
+                                                                            query_start, seq_lens, block_tables, sh);
+            continue;
         }
         tile(items[i], q, k_cache, v_cache, out, query_start, seq_lens, block_tables, sh);
     }

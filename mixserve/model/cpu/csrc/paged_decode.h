@@ -6,6 +6,7 @@
 
 #include "common.h"
 #include "paged_tiles.h"
+#include "softmax16.h"
 #include "vec16.h"
 
 namespace mixserve {
@@ -18,8 +19,8 @@ void attend_decode(const Item& it, const float* q, const float* k_cache, const f
                    const int64_t* seq_lens, const int64_t* block_tables, const Shape& sh) {
     const int64_t nkv = sh.num_kv_heads, G = sh.num_heads / nkv, rows = sh.num_heads, ctx = seq_lens[it.seq];
     const int64_t* table = block_tables + it.seq * sh.max_blocks;
-    alignas(64) float qs[MAX_ROWS][MAX_HEAD_DIM];
-    alignas(64) float acc[MAX_ROWS][MAX_HEAD_DIM];
+    alignas(64) float qs[MAX_ROWS][DC];
+    alignas(64) float acc[MAX_ROWS][DC];
     alignas(64) float sc[MAX_ROWS][KEY_TILE];
     float m[MAX_ROWS], l[MAX_ROWS], alpha_r[MAX_ROWS];
     const float *krow[KEY_TILE], *vrow[KEY_TILE], *kh[KEY_TILE], *vh[KEY_TILE];
@@ -40,23 +41,12 @@ void attend_decode(const Item& it, const float* q, const float* k_cache, const f
         tile_rows<float, DC>(v_cache, table, k0, nk, 0, sh, nullptr, vrow);
         for (int64_t hk = 0; hk < nkv; ++hk) {
             for (int64_t j = 0; j < nk; ++j) kh[j] = krow[j] + hk * DC;
-            few_row_scores<DC, MAX_HEAD_DIM>(qs + hk * G, kh, G, nk, sc + hk * G);
+            few_row_scores<DC, DC>(qs + hk * G, kh, G, nk, sc + hk * G);
         }
-        for (int64_t r = 0; r < rows; ++r) {
-            float* s = sc[r];
-            float tile_max = NEG_BIG;
-            for (int64_t j = 0; j < nk; ++j) tile_max = std::max(tile_max, s[j]);
-            const float m_new = std::max(m[r], tile_max), alpha = fast_exp(m[r] - m_new);
-            float sum = 0.f;
-            for (int j = 0; j < KEY_TILE; ++j) {
-                s[j] = j < nk ? fast_exp(s[j] - m_new) : 0.f;
-                sum += s[j];
-            }
-            l[r] = l[r] * alpha + sum, m[r] = m_new, alpha_r[r] = alpha;
-        }
+        for (int64_t r = 0; r < rows; ++r) alpha_r[r] = softmax_tile_row(sc[r], nk, m[r], l[r]);
         for (int64_t hk = 0; hk < nkv; ++hk) {
             for (int64_t j = 0; j < nk; ++j) vh[j] = vrow[j] + hk * DC;
-            scale_accumulate<DC, MAX_HEAD_DIM>(acc + hk * G, alpha_r + hk * G, sc + hk * G, vh, nk, G);
+            scale_accumulate<DC, DC>(acc + hk * G, alpha_r + hk * G, sc[hk * G], KEY_TILE, 1, vh, nk, G);
         }
     }
     for (int64_t h = 0; h < rows; ++h) {

@@ -120,13 +120,13 @@ inline void transpose_keys(const float* const* krow, int64_t nk, vf16* kt) {
     }
 }
 
-// acc[r] = acc[r] * alpha[r] + sum_j p[r][j] * v_j over keys j < nv (p = the tile's softmax numerators, 0
-// past each row's visible keys), for DC/16-vector rows. Key-outer over a block of rows held in registers:
+// acc[r] = acc[r] * alpha[r] + sum_j p(r, j) * v_j over keys j < nv (p(r, j) = p[r * p_row + j * p_key]: the
+// tile's softmax numerators, 0 past each row's visible keys, row-major or key-major), for DC/16-vector rows. Key-outer over a block of rows held in registers:
 // each V row is read once per block, and each FMA needs one broadcast, where row by row every FMA also
 // reloaded its V vector.
 template <int DC, int LD>
-inline void scale_accumulate(float (*acc)[LD], const float* alpha, const float (*p)[16], const float* const* vrow,
-                             int64_t nv, int64_t rows) {
+inline void scale_accumulate(float (*acc)[LD], const float* alpha, const float* p, int64_t p_row, int64_t p_key,
+                             const float* const* vrow, int64_t nv, int64_t rows) {
     static_assert(DC % 16 == 0 && DC <= LD, "head dim a multiple of 16");
     constexpr int C = DC / 16, RB = C <= 4 ? 4 : 2;  // RB * C accumulators + C V vectors in 32 registers
     int64_t r = 0;
@@ -138,7 +138,7 @@ inline void scale_accumulate(float (*acc)[LD], const float* alpha, const float (
             vf16 v[C];
             for (int c = 0; c < C; ++c) v[c] = load16(vrow[j] + 16 * c);
             for (int i = 0; i < RB; ++i) {
-                const float s = p[r + i][j];
+                const float s = p[(r + i) * p_row + j * p_key];
                 for (int c = 0; c < C; ++c) av[i][c] += s * v[c];
             }
         }
@@ -149,7 +149,7 @@ inline void scale_accumulate(float (*acc)[LD], const float* alpha, const float (
         vf16 av[C];
         for (int c = 0; c < C; ++c) av[c] = load16(acc[r] + 16 * c) * alpha[r];
         for (int64_t j = 0; j < nv; ++j)
-            for (int c = 0; c < C; ++c) av[c] += p[r][j] * load16(vrow[j] + 16 * c);
+            for (int c = 0; c < C; ++c) av[c] += p[r * p_row + j * p_key] * load16(vrow[j] + 16 * c);
         for (int c = 0; c < C; ++c) store16(acc[r] + 16 * c, av[c]);
     }
 }

@@ -1,0 +1,130 @@
+// The paged attention kernel's chunk item: up to TILE_TOKENS query tokens of one sequence (a prefill chunk)
+// over one KV head, every query head of its GQA group at once, head dims that are a multiple of 16.
+//
+// Scores are kept key-major, 16 query rows to a vector (lane i = row i of a group of 16): a key's scores
+// against the group are D broadcast-FMAs of that key's row into one vector, and the online softmax's max,
+// exponentials and sums run down the keys, lane by lane. Row-major (a row's 16 keys in a vector) needed a
+// horizontal max and a horizontal sum per row per key tile, and a transpose of every K tile: measured, that
+// was ~30% of a chunk's attention time. K rows are copied once per tile into one buffer, so the
+// broadcasts address it from one register.
+#pragma once
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+
+#include "common.h"
+#include "paged_tiles.h"
+#include "softmax16.h"
+#include "vec16.h"
+
+namespace mixserve {
+
+constexpr int MAX_GROUPS = MAX_ROWS / 16;
+
+// s[j] = K[key j] . qt (lanes: the group's 16 rows) for j < nk.
+template <int DC>
+inline void key_major_scores(const float (*kbuf)[DC], int64_t nk, const vf16* qt, vf16* s) {
+    for (int j = 0; j < KEY_TILE; ++j) s[j] = vf16{};
+    if (nk == KEY_TILE) {  // the common case: 16 independent FMA chains, the trip counts known
+        for (int d = 0; d < DC; ++d) {
+            const vf16 qd = qt[d];
+            for (int j = 0; j < KEY_TILE; ++j) s[j] += kbuf[j][d] * qd;
+        }
+    } else {
+        for (int d = 0; d < DC; ++d)
+            for (int64_t j = 0; j < nk; ++j) s[j] += kbuf[j][d] * qt[d];
+    }
+}
+
+template <typename T, int DC>
+void attend_chunk(const Item& it, const T* q, const T* k_cache, const T* v_cache, T* out,
+                  const int64_t* query_start, const int64_t* seq_lens, const int64_t* block_tables,
+                  const Shape& sh) {
+    static_assert(DC % 16 == 0 && DC <= MAX_HEAD_DIM, "head dim a multiple of 16");
+    const int64_t G = sh.num_heads / sh.num_kv_heads;
+    const int64_t n_tok = it.q_end - it.q_begin, rows = n_tok * G, groups = (rows + 15) / 16;
+    const int64_t qlen = query_start[it.seq + 1] - query_start[it.seq];
+    const int64_t pos0 = seq_lens[it.seq] - qlen + (it.q_begin - query_start[it.seq]);  // of the first token
+    const int64_t* table = block_tables + it.seq * sh.max_blocks;
+    const int64_t head_off = it.kv_head * DC;
+
+    vf16 qt[MAX_GROUPS][DC];  // qt[g][d] lane i: row 16g + i's query at dim d (scaled; 0 for padding rows)
+    vi16 row_pos[MAX_GROUPS];  // each lane's absolute position (-1: a padding row, which sees no key)
+    vf16 m[MAX_GROUPS], l[MAX_GROUPS];
+    alignas(64) float acc[MAX_ROWS][DC];
+    alignas(64) float p[KEY_TILE][MAX_ROWS];  // the tile's softmax numerators, key-major
+    alignas(64) float alpha[MAX_ROWS];
+    alignas(64) float kbuf[KEY_TILE][DC];
+    alignas(64) float vbuf[KEY_TILE][MAX_HEAD_DIM];
+    const float* krow[KEY_TILE];
+    const float* vrow[KEY_TILE];
+
+    for (int64_t g = 0; g < groups; ++g) {
+        alignas(64) float lane[16][DC];
+        alignas(64) int32_t pos[16];
+        for (int64_t i = 0; i < 16; ++i) {
+            const int64_t r = 16 * g + i;
+            pos[i] = r < rows ? static_cast<int32_t>(pos0 + r / G) : -1;
+            const T* src = q + (it.q_begin + r / G) * sh.q_stride_t + (it.kv_head * G + r % G) * sh.q_stride_h;
+            for (int64_t d = 0; d < DC; ++d) lane[i][d] = r < rows ? load(src + d) * sh.scale : 0.f;
+        }
+        for (int64_t d = 0; d < DC; ++d)
+            for (int i = 0; i < 16; ++i) qt[g][d][i] = lane[i][d];
+        row_pos[g] = *reinterpret_cast<const vi16*>(pos);
+        m[g] = vf16{} + NEG_BIG;
+        l[g] = vf16{};
+    }
+    memset(acc, 0, sizeof(float) * DC * 16 * groups);
+
+    const int64_t num_keys = pos0 + n_tok;  // the last query of the tile sees keys 0..pos0 + n_tok - 1
+    const vf16 zero = {}, neg = zero + NEG_BIG;
+    for (int64_t k0 = 0; k0 < num_keys; k0 += KEY_TILE) {
+        const int64_t nk = std::min<int64_t>(KEY_TILE, num_keys - k0);
+        const int64_t p0 = k0 == 0 ? KEY_TILE : k0 + PREFETCH_TILES * KEY_TILE;
+        const int64_t p1 = std::min<int64_t>(num_keys, k0 + (PREFETCH_TILES + 1) * KEY_TILE);
+        if (p0 < p1) {
+            prefetch_rows(k_cache, table, p0, p1 - p0, head_off, DC, sh);
+            prefetch_rows(v_cache, table, p0, p1 - p0, head_off, DC, sh);
+        }
+        tile_rows<T, DC>(k_cache, table, k0, nk, head_off, sh, vbuf, krow);
+        for (int64_t j = 0; j < nk; ++j) memcpy(kbuf[j], krow[j], sizeof(float) * DC);
+        tile_rows<T, DC>(v_cache, table, k0, nk, head_off, sh, vbuf, vrow);
+        // Keys past pos0 may lie beyond some rows (the chunk's diagonal): those tiles need the causal mask.
+        const bool diagonal = k0 + nk - 1 > pos0;
+        for (int64_t g = 0; g < groups; ++g) {
+            vf16 s[KEY_TILE];
+            key_major_scores<DC>(kbuf, nk, qt[g], s);
+            vf16 mx = neg;
+            for (int64_t j = 0; j < nk; ++j) {
+                if (diagonal) s[j] = (vi16{} + static_cast<int32_t>(k0 + j)) <= row_pos[g] ? s[j] : neg;
+                mx = mx > s[j] ? mx : s[j];
+            }
+            const vf16 m_new = m[g] > mx ? m[g] : mx;
+            const vf16 a = exp16(m[g] - m_new);  // 0 (underflow) on a row's first tile; 1 where nothing is new
+            vf16 sum = zero;
+            for (int64_t j = 0; j < nk; ++j) {
+                vf16 e = exp16(s[j] - m_new);
+                e = s[j] > neg ? e : zero;  // masked keys: exactly 0
+                store16(p[j] + 16 * g, e);
+                sum += e;
+            }
+            l[g] = l[g] * a + sum;
+            m[g] = m_new;
+            store16(alpha + 16 * g, a);
+        }
+        scale_accumulate<DC, DC>(acc, alpha, p[0], 1, MAX_ROWS, vrow, nk, 16 * groups);
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+        alignas(64) float lsum[16];
+        store16(lsum, l[g]);
+        for (int64_t i = 0; i < 16 && 16 * g + i < rows; ++i) {
+            const int64_t r = 16 * g + i;
+            T* dst = out + (it.q_begin + r / G) * sh.o_stride_t + (it.kv_head * G + r % G) * sh.o_stride_h;
+            const float inv = lsum[i] > 0.f ? 1.f / lsum[i] : 0.f;
+            for (int64_t d = 0; d < DC; ++d) store(dst + d, acc[r][d] * inv);
+        }
+    }
+}
+
+}  // namespace mixserve

@@ -1,0 +1,80 @@
+// The online-softmax step of one query row over one tile of 16 keys, as vector code: the scores are one
+// vf16, so the tile's max, its 16 exponentials and their sum are a handful of vector instructions, where
+// the scalar loops (a max over `visible` keys, 16 calls of fast_exp) cost more than the row's 128 FMAs.
+#pragma once
+#include <stdint.h>
+
+#include "common.h"
+#include "vec16.h"
+
+namespace mixserve {
+
+// max and sum of 16 lanes: four halving shuffles each.
+inline float hmax16(vf16 v) {
+    const vi16 s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+    const vi16 s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+    const vi16 s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    const vi16 s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    vf16 w = __builtin_shuffle(v, s8);
+    v = v > w ? v : w;
+    w = __builtin_shuffle(v, s4);
+    v = v > w ? v : w;
+    w = __builtin_shuffle(v, s2);
+    v = v > w ? v : w;
+    w = __builtin_shuffle(v, s1);
+    v = v > w ? v : w;
+    return v[0];
+}
+
+inline float hsum16(vf16 v) {
+    const vi16 s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+    const vi16 s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+    const vi16 s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    const vi16 s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    v += __builtin_shuffle(v, s8);
+    v += __builtin_shuffle(v, s4);
+    v += __builtin_shuffle(v, s2);
+    v += __builtin_shuffle(v, s1);
+    return v[0];
+}
+
+// fast_exp (common.h) on 16 lanes, the same polynomial and clamp: floor(t + 0.5) as a truncating
+// conversion of a value made positive first (t >= -126 after the clamp).
+inline vf16 exp16(vf16 x) {
+    const vf16 lo = vf16{} - 87.0f, hi = vf16{} + 88.0f;
+    x = x < lo ? lo : x;
+    x = x > hi ? hi : x;
+    const vf16 t = x * 1.44269504088896341f;
+    const vi16 n = __builtin_convertvector(t + 128.5f, vi16) - 128;
+    const vf16 f = t - __builtin_convertvector(n, vf16);
+    vf16 p = vf16{} + 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    const vi16 bits = (n + 127) << 23;
+    return p * (vf16)bits;  // a cast between vector types of one size reinterprets the bits
+}
+
+// Scores s (16 lanes; lanes from `visible` on are not keys this row sees) become the tile's softmax numerators
+// exp(s - m_new) (0 past `visible`), with the row's running max m and sum l updated; returns the factor the
+// row's accumulator must be scaled by (0 on the row's first tile).
+inline float softmax_tile_row(float* s, int64_t visible, float& m, float& l) {
+    const vi16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vi16 keep = iota < static_cast<int32_t>(visible);
+    const vf16 zero = {}, neg = zero + NEG_BIG;
+    vf16 v = load16(s);
+    v = keep ? v : neg;
+    const float m_new = std::max(m, hmax16(v));
+    const float alpha = fast_exp(m - m_new);
+    vf16 e = exp16(v - m_new);
+    e = keep ? e : zero;
+    store16(s, e);
+    l = l * alpha + hsum16(e);
+    m = m_new;
+    return alpha;
+}
+
+}  // namespace mixserve
