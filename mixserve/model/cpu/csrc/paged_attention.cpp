@@ -8,7 +8,8 @@
 // Work item = (sequence, KV head, tile of up to TILE_TOKENS query tokens): the tile's query rows are every
 // query head of that KV head's GQA group, so each K/V element read from the cache serves G heads. Keys go
 // in tiles of KEY_TILE (16 = one AVX-512 register of fp32 scores per row); online softmax per row. A float32
-// decode is one item over all its KV heads instead (paged_decode.h), reading each block once.
+// decode is one item over all its KV heads instead (paged_decode.h), reading each block once; a tile of 8+
+// rows at head dim 64 or 128 (a prefill chunk) takes the key-major kernel (paged_chunk.h).
 #include <omp.h>
 
 #include <vector>
@@ -107,12 +108,9 @@ void attend_tile(const Item& it, const T* q, const T* k_cache, const T* v_cache,
         tile_rows<T, DC>(k_cache, table, k0, nk, head_off, sh, kbuf, krow);
         tile_rows<T, DC>(v_cache, table, k0, nk, head_off, sh, vbuf, vrow);
         if (transpose) {
-            if constexpr (DC > 0 && DC % 16 == 0) {
-                transpose_keys<DC>(krow, nk, kt);
-            } else {
-                for (int64_t j = 0; j < KEY_TILE; ++j)
-                    for (int64_t d = 0; d < D; ++d) kt[d][j] = j < nk ? krow[j][d] : 0.f;
-            }
+            // (head dims 64 and 128 take attend_chunk for these rows: this is the generic head dims' path)
+            for (int64_t j = 0; j < KEY_TILE; ++j)
+                for (int64_t d = 0; d < D; ++d) kt[d][j] = j < nk ? krow[j][d] : 0.f;
             tile_scores(qs, kt, rows, D, sc);
         } else if constexpr (DC > 0 && DC % 16 == 0) {
             few_row_scores<DC, LD>(qs, krow, rows, nk, sc);

@@ -69,57 +69,6 @@ inline void few_row_scores(const float (*qs)[LD], const float* const* krow, int6
     }
 }
 
-// A 16x16 transpose in four stages: at scale S, rows i and i + S (bit S of i clear) swap their
-// off-diagonal S x S blocks (lanes with bit S set in row i <-> lanes with it clear in row i + S). Each
-// stage is 16 two-source shuffles: 64 for the whole tile, where element by element it took 256 loads
-// and 256 stores.
-inline void swap_blocks1(vf16& a, vf16& b) {
-    const vi16 ma = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-    const vi16 mb = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-    const vf16 na = __builtin_shuffle(a, b, ma);
-    b = __builtin_shuffle(a, b, mb);
-    a = na;
-}
-inline void swap_blocks2(vf16& a, vf16& b) {
-    const vi16 ma = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-    const vi16 mb = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-    const vf16 na = __builtin_shuffle(a, b, ma);
-    b = __builtin_shuffle(a, b, mb);
-    a = na;
-}
-inline void swap_blocks4(vf16& a, vf16& b) {
-    const vi16 ma = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-    const vi16 mb = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-    const vf16 na = __builtin_shuffle(a, b, ma);
-    b = __builtin_shuffle(a, b, mb);
-    a = na;
-}
-inline void swap_blocks8(vf16& a, vf16& b) {
-    const vi16 ma = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const vi16 mb = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const vf16 na = __builtin_shuffle(a, b, ma);
-    b = __builtin_shuffle(a, b, mb);
-    a = na;
-}
-
-// kt[d][j] = K[key j][d] for a tile of up to 16 key rows (keys nk..15 read as 0): the layout in which a
-// query row's 16 scores are DC broadcast-FMAs into one vector.
-template <int DC>
-inline void transpose_keys(const float* const* krow, int64_t nk, vf16* kt) {
-    static_assert(DC % 16 == 0, "head dim a multiple of 16");
-    for (int c = 0; c < DC / 16; ++c) {
-        vf16 t[16];
-        for (int j = 0; j < 16; ++j) t[j] = j < nk ? load16(krow[j] + 16 * c) : vf16{};
-        for (int i = 0; i < 16; i += 2) swap_blocks1(t[i], t[i + 1]);
-        for (int i = 0; i < 16; ++i)
-            if (!(i & 2)) swap_blocks2(t[i], t[i + 2]);
-        for (int i = 0; i < 16; ++i)
-            if (!(i & 4)) swap_blocks4(t[i], t[i + 4]);
-        for (int i = 0; i < 8; ++i) swap_blocks8(t[i], t[i + 8]);
-        for (int d = 0; d < 16; ++d) kt[16 * c + d] = t[d];
-    }
-}
-
 // acc[r] = acc[r] * alpha[r] + sum_j p(r, j) * v_j over keys j < nv (p(r, j) = p[r * p_row + j * p_key]: the
 // tile's softmax numerators, 0 past each row's visible keys, row-major or key-major), for DC/16-vector rows. Key-outer over a block of rows held in registers:
 // each V row is read once per block, and each FMA needs one broadcast, where row by row every FMA also
