@@ -141,12 +141,19 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path) -> Path:
     return _save(fig, path)
 
 
-def plot_frontier(rows: Sequence[dict], path: str | Path, stall_threshold: float = STALL_THRESHOLD_S) -> Path:
+def plot_frontier(rows: Sequence[dict], path: str | Path, stall_threshold: float = STALL_THRESHOLD_S,
+                  runs: Sequence[dict] = ()) -> Path:
     """Each sweep setting as a point: the short requests' worst gap against the long prompts' TTFT p50.
 
     Both axes are costs: a fixed budget buys one with the other; a TPOT target should sit low and left.
+    `runs` (a repeated sweep's rows of single runs) are drawn small behind the medians: the spread.
     """
     fig, ax = plt.subplots(figsize=(9, 6))
+    for r in runs:
+        if "error" in r or r.get("short_max_gap_s") is None or r.get("long_ttft_p50_s") is None:
+            continue
+        ax.scatter(r["short_max_gap_s"] * 1000, r["long_ttft_p50_s"], s=14, zorder=2, alpha=0.45,
+                   color="tab:green" if r.get("tpot_target_ms") else "tab:blue")
     for r in rows:
         if "error" in r or r.get("short_max_gap_s") is None or r.get("long_ttft_p50_s") is None:
             continue

@@ -1,5 +1,6 @@
 """`bench sweep`: one server per (prefill_chunk, max_batch_tokens) setting, the same workload against
-each, then one comparison table (markdown + JSON) and the pictures."""
+each (in interleaved rounds when repeated), then one comparison table (markdown + JSON, built by
+sweep_report) and the pictures."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from mixserve.bench.plot import (
 )
 from mixserve.bench.run import RunOptions, run_bench
 from mixserve.bench.server import DEFAULT_SERVER_CMD, ServerProcess, free_port, server_command
+from mixserve.bench.sweep_report import markdown, median_row, recommend, table_row
 from mixserve.bench.trace import StepRecord, read_step_trace
 from mixserve.bench.workload import RequestSpec
 
@@ -121,6 +123,44 @@ def step_summary(steps: Sequence[StepRecord]) -> dict:
             "mean_step_s": sum(s.duration_s for s in steps) / len(steps)}
 
 
+@dataclass
+class SettingRun:
+    """One run of one setting: its bench report (or {"settings", "error"} if it could not run) and, when
+    it ran, its step timeline."""
+
+    report: dict
+    timeline: Timeline | None = None
+
+
+def run_setting(s: Setting, specs: Sequence[RequestSpec], out: Path, opts: RunOptions, *, tag: str,
+                info: dict, server_cmd: str, server_args: str) -> SettingRun:
+    """One fresh server for `s`, the workload against it; its report, picture, log, step trace and cost
+    model are named by `tag` (the slug, with the round when a setting repeats)."""
+    tmp = out / "tmp"  # server logs and step traces: git-ignored
+    trace = tmp / f"{tag}.steps.jsonl"
+    trace.unlink(missing_ok=True)
+    cost_model = tmp / f"{tag}.cost.json"  # each run profiles afresh, and leaves its fit for simulate
+    cost_model.unlink(missing_ok=True)
+    port = free_port()
+    argv = server_command(server_cmd, port=port, chunk=s.prefill_chunk, budget=s.max_batch_tokens,
+                          trace=trace, extra_args=s.server_args(server_args, cost_model))
+    info = dict(info, server_argv=argv)
+    try:
+        with ServerProcess(argv, port, tmp / f"{tag}.log"):
+            report = run_bench(f"http://127.0.0.1:{port}", specs, opts, settings=info)
+    except RuntimeError as e:
+        print(f"   {s.label} failed: {e}", file=sys.stderr)
+        return SettingRun({"settings": info, "error": str(e)})
+    clocks = (report["settings"]["t0_monotonic"], report["settings"]["t0_wall"])
+    steps = [x for x in read_step_trace(trace, clocks) if x.start_s >= 0]  # warm-up steps left out
+    report["steps"] = step_summary(steps)
+    report["settings"]["loadavg_after"] = os.getloadavg()
+    (out / f"{tag}.json").write_text(json.dumps(report, indent=1))
+    plot_run(report, out / f"{tag}.png", title=f"{s.label}: {_run_line(report)}")
+    long_arrivals = [x.arrival_s for x in specs if x.kind == "long"]
+    return SettingRun(report, Timeline(s.label, steps, s.max_batch_tokens, long_arrivals))
+
+
 def run_sweep(
     settings: Sequence[Setting],
     specs: Sequence[RequestSpec],
@@ -131,50 +171,44 @@ def run_sweep(
     server_cmd: str = DEFAULT_SERVER_CMD,
     server_args: str = "",
     command: str = "",
+    repeats: int = 1,
 ) -> dict:
-    """Run the workload against one fresh server per setting; write per-setting reports, table, pictures."""
+    """Run the workload against one fresh server per setting, `repeats` rounds of every setting in turn;
+    write per-run reports, the table of per-setting medians, and pictures.
+
+    Rounds interleave the settings (A B C, A B C; not A A, B B, C C): this machine's speed drifts 20-40%
+    over minutes (bench/results/tpot-target, full-M-4), as much as the settings differ, so only repeats
+    spread alike over the drift compare settings fairly.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     out = Path(out_dir)
-    tmp = out / "tmp"  # server logs and step traces: git-ignored
-    tmp.mkdir(parents=True, exist_ok=True)
+    (out / "tmp").mkdir(parents=True, exist_ok=True)
     machine = machine_info()
-    runs, timelines = [], []
-    for s in settings:
-        print(f"== {s.label}", file=sys.stderr, flush=True)
-        trace = tmp / f"{s.slug}.steps.jsonl"
-        trace.unlink(missing_ok=True)
-        cost_model = tmp / f"{s.slug}.cost.json"  # each run profiles afresh, and leaves its fit for simulate
-        cost_model.unlink(missing_ok=True)
-        port = free_port()
-        argv = server_command(server_cmd, port=port, chunk=s.prefill_chunk, budget=s.max_batch_tokens,
-                              trace=trace, extra_args=s.server_args(server_args, cost_model))
-        info = dict(workload, label=s.label, policy=s.policy, prefill_chunk=s.prefill_chunk,
-                    max_batch_tokens=s.max_batch_tokens, tpot_target_ms=s.tpot_target_ms, server_argv=argv)
-        try:
-            with ServerProcess(argv, port, tmp / f"{s.slug}.log"):
-                report = run_bench(f"http://127.0.0.1:{port}", specs, opts, settings=info)
-        except RuntimeError as e:
-            print(f"   {s.label} failed: {e}", file=sys.stderr)
-            runs.append((s, {"settings": info, "error": str(e)}))
-            continue
-        clocks = (report["settings"]["t0_monotonic"], report["settings"]["t0_wall"])
-        steps = [x for x in read_step_trace(trace, clocks) if x.start_s >= 0]  # warm-up steps left out
-        report["steps"] = step_summary(steps)
-        report["settings"]["loadavg_after"] = os.getloadavg()
-        (out / f"{s.slug}.json").write_text(json.dumps(report, indent=1))
-        plot_run(report, out / f"{s.slug}.png", title=f"{s.label}: {_run_line(report)}")
-        runs.append((s, report))
-        long_arrivals = [x.arrival_s for x in specs if x.kind == "long"]
-        timelines.append(Timeline(s.label, steps, s.max_batch_tokens, long_arrivals))
-    ok = [(s.label, r) for s, r in runs if "error" not in r]
+    runs: dict[Setting, list[SettingRun]] = {s: [] for s in settings}
+    for k in range(1, repeats + 1):
+        for s in settings:
+            print(f"== {s.label}" + (f" (round {k} of {repeats})" if repeats > 1 else ""), file=sys.stderr,
+                  flush=True)
+            info = dict(workload, label=s.label, policy=s.policy, prefill_chunk=s.prefill_chunk,
+                        max_batch_tokens=s.max_batch_tokens, tpot_target_ms=s.tpot_target_ms, round=k)
+            tag = s.slug if repeats == 1 else f"{s.slug}-r{k}"
+            runs[s].append(run_setting(s, specs, out, opts, tag=tag, info=info, server_cmd=server_cmd,
+                                       server_args=server_args))
+    # the CDFs and timelines draw each setting's first run that completed: one curve per setting
+    drawn = [next((r for r in rs if r.timeline is not None), None) for rs in runs.values()]
+    ok = [(s.label, r.report) for s, r in zip(runs, drawn, strict=True) if r is not None]
     if ok:
         plot_sweep_ttft(ok, out / "ttft_cdf.png")
         plot_sweep_tpot(ok, out / "tpot_cdf.png", opts.stall_threshold)
+    timelines = [r.timeline for r in drawn if r is not None and r.timeline is not None]
     if timelines:
         plot_timelines(timelines, out / "timeline.png")
-    rows = [table_row(s, r) for s, r in runs]
-    plot_frontier(rows, out / "frontier.png", opts.stall_threshold)
+    rows = [median_row([table_row(s, r.report) for r in rs]) for s, rs in runs.items()]
+    plot_frontier(rows, out / "frontier.png", opts.stall_threshold,
+                  runs=[x for r in rows for x in r["runs"]] if repeats > 1 else ())
     summary = {"command": command, "machine": machine, "workload": workload, "options": asdict(opts),
-               "rows": rows, "recommended": recommend(rows)}
+               "repeats": repeats, "rows": rows, "recommended": recommend(rows)}
     (out / "sweep.json").write_text(json.dumps(summary, indent=1))
     (out / "sweep.md").write_text(markdown(summary))
     return summary
@@ -184,94 +218,3 @@ def _run_line(report: dict) -> str:
     short = report["classes"].get("short", {})
     return (f"{report['output_token_throughput'] or 0:.1f} output tok/s, "
             f"{short.get('stalled', 0)} of {short.get('count', 0)} short requests stalled")
-
-
-def table_row(s: Setting, report: dict) -> dict:
-    """The figures PERF.md's workload M table reports, plus throughput, the longest step and the check."""
-    row = {"setting": s.label, "policy": s.policy, "prefill_chunk": s.prefill_chunk,
-           "max_batch_tokens": s.max_batch_tokens, "tpot_target_ms": s.tpot_target_ms}
-    if "error" in report:
-        return dict(row, error=report["error"].splitlines()[0])
-    short = report["classes"].get("short", {})
-    long_ = report["classes"].get("long", {})
-    short_tpot, short_ttft = short.get("tpot_s", {}), short.get("ttft_s", {})
-    long_ttft = long_.get("ttft_s", {})
-    check = report.get("server_check") or {}
-    return dict(
-        row,
-        completed=report["completed"], failed=report["failed"],
-        short_tpot_p50_s=short_tpot.get("p50"), short_tpot_p99_s=short_tpot.get("p99"),
-        short_max_gap_s=short.get("max_gap_s"), short_stalled=short.get("stalled"),
-        short_count=short.get("count"),
-        short_ttft_p50_s=short_ttft.get("p50"), short_ttft_p99_s=short_ttft.get("p99"),
-        long_ttft_p50_s=long_ttft.get("p50"), long_ttft_max_s=long_ttft.get("max"),
-        output_token_throughput=report["output_token_throughput"], duration_s=report["duration_s"],
-        max_step_s=report.get("steps", {}).get("max_step_s"),
-        max_step_tokens=report.get("steps", {}).get("max_step_tokens"),
-        ttft_ratio=check.get("ttft_ratio"), itl_ratio=check.get("itl_ratio"),
-        agree_within_10pct=check.get("agree_within_10pct"),
-    )
-
-
-def recommend(rows: Sequence[dict]) -> str | None:
-    """The setting with the fastest long prompts among those where no request failed and none stalled."""
-    ok = [r for r in rows if "error" not in r and not r["failed"] and r["short_stalled"] == 0
-          and r["long_ttft_p50_s"] is not None]
-    if not ok:
-        return None
-    best = min(ok, key=lambda r: (r["long_ttft_p50_s"], r["short_tpot_p99_s"] or 0.0))
-    return best["setting"]
-
-
-def _f(x, scale: float = 1.0, fmt: str = ".0f") -> str:
-    return "–" if x is None else format(x * scale, fmt)
-
-
-def markdown(summary: dict) -> str:
-    """The comparison table as markdown, with the machine and workload it ran on."""
-    m, w = summary["machine"], summary["workload"]
-    lines = [
-        "# prefill_chunk sweep",
-        "",
-        f"Command: `{summary.get('command') or 'mixserve bench sweep'}`.",
-        f"Machine: {m['nproc']} cores ({m['cpu_model']}), {m['platform']}, Python {m['python']}, "
-        f"torch {m['torch']}; load average at start {', '.join(f'{x:.2f}' for x in m['loadavg_at_start'])}.",
-        f"Workload: {json.dumps(w)}.",
-        "",
-        "| setting | short TPOT p50/p99 (ms) | max gap (ms) | stalled | short TTFT p50/p99 (ms) "
-        "| long TTFT p50 / max (s) | output tok/s | longest step (ms, tokens) | failed "
-        "| bench/server TTFT, ITL |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in summary["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['setting']} | failed: {r['error']} |||||||||")
-            continue
-        lines.append(
-            f"| {r['setting']} | {_f(r['short_tpot_p50_s'], 1000)}/{_f(r['short_tpot_p99_s'], 1000)} "
-            f"| {_f(r['short_max_gap_s'], 1000)} | {r['short_stalled']} of {r['short_count']} "
-            f"| {_f(r['short_ttft_p50_s'], 1000)}/{_f(r['short_ttft_p99_s'], 1000)} "
-            f"| {_f(r['long_ttft_p50_s'], 1, '.2f')} / {_f(r['long_ttft_max_s'], 1, '.2f')} "
-            f"| {_f(r['output_token_throughput'], 1, '.1f')} "
-            f"| {_f(r['max_step_s'], 1000)}, {_f(r['max_step_tokens'])} "
-            f"| {r['failed']} | {_f(r['ttft_ratio'], 1, '.3f')}, {_f(r['itl_ratio'], 1, '.3f')} |"
-        )
-    lines += [
-        "",
-        "Stalled: short requests with a gap over the stall threshold "
-        f"({summary['options']['stall_threshold']} s) between two tokens, of those completed. "
-        "Bench/server: the bench's TTFT and inter-token-latency means over the server's own histogram "
-        "means (mixserve:time_to_first_token_seconds, mixserve:time_per_output_token_seconds), "
-        "scraped before and after the run; 1.000 is perfect agreement.",
-        "WholePrompt at a big budget prefills a long prompt in one step beside the decodes (the stall); "
-        "WholePrompt over its budget waits for a step of its own; Chunked(k) prefills at most k tokens a "
-        "step after the decodes.",
-        "",
-        "Without a failed or stalled request, the fastest long prompts (TTFT p50): "
-        f"**{summary.get('recommended') or 'no setting'}**.",
-        "",
-        "frontier.png: each setting as a point of (the short requests' worst gap, the long prompts' TTFT "
-        "p50); a TPOT target's point should sit left of the stall line and as low as the big budgets'.",
-        "",
-    ]
-    return "\n".join(lines)

@@ -101,6 +101,9 @@ def register(subparsers) -> None:
                    help="also run WholePrompt at this big budget, the stall case (0 = skip; default 2048)")
     s.add_argument("--tpot-target-ms", default="",
                    help="comma-separated TPOT targets, each a setting at --max-batch-tokens (0 = none)")
+    s.add_argument("--repeats", type=int, default=1,
+                   help="run every setting this many times, interleaved (round 1 runs each setting once, "
+                   "then round 2, ...); the table gives each setting's medians and every run (default 1)")
     s.add_argument("--server-cmd", default=None,
                    help="server command template with {python} {port} {chunk} {budget} {trace}")
     s.add_argument("--server-args", default="", help="extra server flags, e.g. '--model PATH'")
@@ -188,6 +191,8 @@ def sweep_command(args: argparse.Namespace) -> int:
     try:
         settings = parse_settings(args.prefill_chunk, args.max_batch_tokens, args.whole_prompt_budget,
                                   args.tpot_target_ms)
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     except ValueError as e:
         print(f"mixserve bench sweep: {e}", file=sys.stderr)
         return 2
@@ -195,6 +200,6 @@ def sweep_command(args: argparse.Namespace) -> int:
     command = "mixserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else ""
     summary = run_sweep(settings, specs, args.out_dir, run_options(args), workload=desc,
                         server_cmd=args.server_cmd or DEFAULT_SERVER_CMD, server_args=args.server_args,
-                        command=command)
+                        command=command, repeats=args.repeats)
     print((Path(args.out_dir) / "sweep.md").read_text())
     return 0 if any("error" not in r for r in summary["rows"]) else 1
