@@ -2,16 +2,44 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import time
 from typing import IO
 
 
+class GcClock:
+    """Seconds the process spent in garbage collection (any thread: a collection holds the GIL, so the
+    step thread waits for it too), read as the time since the last read."""
+
+    def __init__(self) -> None:
+        self._start = 0.0
+        self._total = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self._total += time.perf_counter() - self._start
+
+    def take(self) -> float:
+        total, self._total = self._total, 0.0
+        return total
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+
 class StepTrace:
-    """A JSONL file of steps: index, wall time, decode and prefill tokens, sequences, duration, and the
-    step cost model's fields while a TPOT target is on."""
+    """A JSONL file of steps: index, wall time, decode and prefill tokens, sequences, duration, the seconds
+    of garbage collection since the previous line (gc_s), and the step cost model's fields while a TPOT
+    target is on."""
 
     def __init__(self, path: str) -> None:
         self._file: IO[str] | None = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open until close()
+        self._gc = GcClock()
 
     def write(self, step: int, wall: float, num_decodes: int, num_tokens: int, num_seqs: int,
               duration_s: float, cost_fields: dict) -> None:
@@ -24,6 +52,7 @@ class StepTrace:
             "prefill_tokens": num_tokens - num_decodes,
             "num_seqs": num_seqs,
             "duration_s": duration_s,
+            "gc_s": round(self._gc.take(), 6),
             **cost_fields,
         }
         self._file.write(json.dumps(line) + "\n")
@@ -33,3 +62,4 @@ class StepTrace:
         if self._file is not None:
             self._file.close()
             self._file = None
+            self._gc.close()

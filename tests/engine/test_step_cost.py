@@ -108,3 +108,23 @@ def test_metrics_show_the_cost_model_while_a_target_is_on(make_llm) -> None:
     off = ServerMetrics()
     off.observe_stats(make_llm(max_batch_tokens=64).engine.stats().scheduler, stepped=True)
     assert 'step_cost_coefficient{' not in off.render()[0].decode()
+
+
+def test_the_trace_counts_garbage_collection_between_lines(tmp_path: Path) -> None:
+    import gc
+
+    from mixserve.engine.step_trace import StepTrace
+
+    trace = StepTrace(str(tmp_path / "steps.jsonl"))
+    gc.disable()  # no automatic collection between the lines: only the one asked for
+    try:
+        trace.write(1, 0.0, 1, 1, 1, 0.01, {})
+        gc.collect()  # a full collection of this test process: well over a microsecond
+        trace.write(2, 0.0, 1, 1, 1, 0.01, {})
+        trace.write(3, 0.0, 1, 1, 1, 0.01, {})
+    finally:
+        gc.enable()
+        trace.close()
+    gcs = [json.loads(line)["gc_s"] for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert gcs[1] > 0 and gcs[2] == 0  # the collection lands on the line after it, once
+    assert trace._gc._on_gc not in gc.callbacks  # closed: no callback left behind
