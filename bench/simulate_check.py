@@ -64,9 +64,11 @@ def _flag(argv: list[str], name: str) -> str | None:
 def check(sweep_dir: Path, slug: str, tmp: Path) -> str:
     runs_paths = sorted(sweep_dir.glob(f"{slug}-r*.json")) or [sweep_dir / f"{slug}.json"]
     runs = [json.loads(p.read_text()) for p in runs_paths]
-    costs = [sweep_dir / "tmp" / f"{p.stem}.cost.json" for p in runs_paths]
+    # the servers' cost models: tmp/ as the sweep leaves them, steps/ as a committed result keeps them
+    places = (sweep_dir / "tmp", sweep_dir / "steps")
+    costs = [c for p in runs_paths for c in (d / f"{p.stem}.cost.json" for d in places) if c.exists()]
     cost = tmp / f"{slug}.cost.json"
-    mean_cost_model([c for c in costs if c.exists()], cost)
+    mean_cost_model(costs, cost)
     sim = simulate(runs[0], cost, tmp)
     head = " | ".join(f"run {i + 1} (ms)" for i in range(len(runs)))
     label = runs[0]["settings"]["label"]
