@@ -1,9 +1,9 @@
 """The decoder layer's ops (linear, norms, SwiGLU, RoPE): one frozen set per device, picked once at start-up.
 
-Three sets: `torch_ops()` (plain PyTorch, the reference), `cpu_ops(dtype)` (linears through oneDNN on weights
-reordered once at load; norms, RoPE and SwiGLU as one C++ call each, mixserve/model/cpu) and `triton_ops()`
-(mixserve/kernels, CUDA). The model runs
-whichever set `LlamaModel.prepare(ops)` was handed; one layer body serves all three.
+Three sets: `torch_ops()` (plain PyTorch, the reference), `cpu_ops(dtype)` (linears on weights packed once at
+load: MKL's packed GEMM in float32 (model/cpu/mkl_linear.py), oneDNN in bfloat16 or where MKL is missing;
+norms, RoPE and SwiGLU as one C++ call each, mixserve/model/cpu) and `triton_ops()` (mixserve/kernels, CUDA).
+The model runs whichever set `LlamaModel.prepare(ops)` was handed; one layer body serves all three.
 """
 
 from __future__ import annotations
@@ -168,13 +168,17 @@ def cpu_ops(dtype: torch.dtype) -> LayerOps:
                           RuntimeWarning, stacklevel=2)
         return torch_ops()
     name = f"cpu-onednn-{str(dtype).removeprefix('torch.')}"
-    pack = functools.partial(_pack, dtype=dtype)
+    pack, linear = functools.partial(_pack, dtype=dtype), _packed_linear
+    from mixserve.model.cpu import mkl_linear
+
+    if dtype == torch.float32 and mkl_linear.unavailable() is None:  # faster at any row count (mkl_linear.py)
+        name, pack, linear = "cpu-mkl-float32", mkl_linear.pack, mkl_linear.linear
     from mixserve.model.cpu.build import available
 
     why_not = available()  # builds the C++ kernels on first use (~3 s once per machine)
     if why_not is not None:
         log.warning("CPU layer ops run as eager PyTorch (slower): %s", why_not)
-        return LayerOps(name=name, pack=pack, linear=_packed_linear, rms_norm=rms_norm,
+        return LayerOps(name=name, pack=pack, linear=linear, rms_norm=rms_norm,
                         add_rms_norm=add_rms_norm, silu_and_mul=silu_and_mul, rotary_state=_lookup,
                         rotary=_rotary)
     from mixserve.model.cpu import layer_ops
@@ -184,7 +188,7 @@ def cpu_ops(dtype: torch.dtype) -> LayerOps:
         layer_ops.rotary_(qk, cos, sin, positions)
         return qk[:, :num_q_heads], qk[:, num_q_heads:]
 
-    return LayerOps(name=name + "+cpp", pack=pack, linear=_packed_linear, rms_norm=layer_ops.rms_norm,
+    return LayerOps(name=name + "+cpp", pack=pack, linear=linear, rms_norm=layer_ops.rms_norm,
                     add_rms_norm=layer_ops.add_rms_norm, silu_and_mul=layer_ops.silu_and_mul,
                     rotary_state=_positions_state, rotary=rotary)
 

@@ -1,5 +1,5 @@
-"""The CPU layer ops (mixserve/model/ops.py): prepacked oneDNN linears against F.linear, the runner's choice
-of ops, the fallback without oneDNN, and the CPU feature check behind the bf16 log line."""
+"""The CPU layer ops (mixserve/model/ops.py): prepacked MKL (float32) and oneDNN linears against F.linear, the
+runner's choice of ops, the fallback without oneDNN, and the CPU feature check behind the bf16 log line."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mixserve.model import ops
+from mixserve.model.cpu import mkl_linear
 
 ROWS = (1, 3, 4, 17, 64, 300)  # 1 and 3: below fp32's F.linear threshold; the rest packed
 
@@ -25,18 +26,35 @@ def _weights(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.T
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_f_linear_fp32(rows: int, bias: bool) -> None:
     cpu = ops.cpu_ops(torch.float32)
-    assert cpu.name == "cpu-onednn-float32+cpp"
+    assert cpu.name == "cpu-mkl-float32+cpp"  # MKL's packed GEMM where it works (it does on these machines)
     w, b = _weights(960, 576, torch.float32)
     packed = cpu.pack(w)
-    assert isinstance(packed, ops.PackedWeight) and packed.packed.is_mkldnn
+    assert isinstance(packed, mkl_linear.MklPacked)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
     want = F.linear(x, w, b if bias else None)
     got = cpu.linear(x, packed, b if bias else None)
     # Only the summation order differs from MKL's sgemm: a few ulps of fp32 on K=576 products.
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # Every row count through oneDNN itself too (thresholds aside: 1 row is a GEMV, under 4 F.linear).
-    raw = torch.ops.mkldnn._linear_pointwise(x, packed.packed, b if bias else None, "none", [], "")
+    # A strided input (a view of wider rows) gives the same
+    wide = torch.cat([x, torch.ones(rows, 7)], dim=1)[:, :576]
+    torch.testing.assert_close(cpu.linear(wide, packed, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    # The oneDNN path (bf16's, and float32's where MKL is missing): every row count through oneDNN itself
+    dnn = ops._pack(w, dtype=torch.float32)
+    assert dnn.packed.is_mkldnn
+    torch.testing.assert_close(ops._packed_linear(x, dnn, b if bias else None), want, rtol=1e-5, atol=1e-5)
+    raw = torch.ops.mkldnn._linear_pointwise(x, dnn.packed, b if bias else None, "none", [], "")
     torch.testing.assert_close(raw, want, rtol=1e-5, atol=1e-5)
+
+
+def test_without_mkl_float32_takes_onednn(monkeypatch) -> None:
+    monkeypatch.setattr(mkl_linear, "unavailable", lambda: "no MKL here")
+    cpu = ops.cpu_ops(torch.float32)
+    assert cpu.name == "cpu-onednn-float32+cpp"
+    assert isinstance(cpu.pack(torch.ones(8, 8)), ops.PackedWeight)
+
+
+def test_mkl_packed_gemm_passes_its_start_up_check_here() -> None:
+    assert mkl_linear.unavailable() is None
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -58,21 +76,21 @@ def test_packed_linear_bf16_within_bf16_rounding(rows: int) -> None:
 def test_the_lm_head_is_packed_from_two_rows() -> None:
     # (one row is a GEMV on the plain weight, whatever its size; the threshold then only matters from 2)
     w, _ = _weights(49152, 576, torch.float32)
-    assert ops.cpu_ops(torch.float32).pack(w).min_rows == 2
-    assert ops.cpu_ops(torch.float32).pack(w[:960]).min_rows == ops._MIN_ROWS[torch.float32]
+    assert ops._pack(w, dtype=torch.float32).min_rows == 2  # (oneDNN's float32 path)
+    assert ops._pack(w[:960], dtype=torch.float32).min_rows == ops._MIN_ROWS[torch.float32]
 
 
 def test_the_runner_packs_the_tiny_model_on_cpu(tiny_model_dir: Path) -> None:
     from mixserve.runner import ModelRunner
 
     runner = ModelRunner.from_pretrained(str(tiny_model_dir), num_blocks=8, block_size=4)
-    assert runner.ops.name == "cpu-onednn-float32+cpp"
+    assert runner.ops.name == "cpu-mkl-float32+cpp"
     assert runner.model.ops is runner.ops
     assert runner.cpu_features is not None
     layer = runner.model.layers[0]
     for w in (layer.packed.qkv, layer.packed.o_proj, layer.packed.gate_up, layer.packed.down):
-        assert isinstance(w, ops.PackedWeight) and w.packed.is_mkldnn
-    assert isinstance(runner.model.head.lm_head, ops.PackedWeight)
+        assert isinstance(w, mkl_linear.MklPacked)
+    assert isinstance(runner.model.head.lm_head, mkl_linear.MklPacked)
     # The parameters (state dict, weight bytes) are still just the loaded weights, once each.
     names = [n for n, _ in runner.model.named_parameters()]
     assert not any("packed" in n or "head." in n for n in names)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mixserve.model import ops
+from mixserve.model.cpu import mkl_linear
 from tests.runner.drive import Req, drive, interleaved_tables
 from tests.runner.test_tiny_vs_hf import check_mixed_against_hf
 
@@ -71,17 +72,31 @@ def test_bf16_logits_match_hf_bf16(hf_default_model) -> None:
     assert ours_top1 >= 0.9 * n
 
 
-def test_every_linear_packed_matches_hf_fp32(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # fp32 runs F.linear below 4 rows (faster there); with the threshold at 2 rows, every linear of more
-    # than one row goes through the packed oneDNN GEMM (single rows are GEMVs), and still equals HF.
-    monkeypatch.setitem(ops._MIN_ROWS, torch.float32, 2)
+@pytest.mark.parametrize("path", ["mkl", "onednn"])
+def test_every_linear_packed_matches_hf_fp32(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                             path: str) -> None:
+    # fp32 runs MKL's packed GEMM from 2 rows (single rows are GEMVs); where MKL is missing, oneDNN, which
+    # runs F.linear below 4 rows (faster there): with that threshold at 2 rows every linear of more than one
+    # row goes through it. Either way the model still equals HF.
     calls: list[int] = []
-    real = torch.ops.mkldnn._linear_pointwise
+    if path == "onednn":
+        monkeypatch.setattr(mkl_linear, "unavailable", lambda: "off for this test")
+        monkeypatch.setitem(ops._MIN_ROWS, torch.float32, 2)
+        real = torch.ops.mkldnn._linear_pointwise
 
-    def spy(*args: object) -> torch.Tensor:
-        calls.append(args[0].shape[0])  # type: ignore[union-attr]
-        return real(*args)
+        def spy(*args: object) -> torch.Tensor:
+            calls.append(args[0].shape[0])  # type: ignore[union-attr]
+            return real(*args)
 
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    else:
+        real_linear = mkl_linear.linear
+
+        def spy_mkl(x: torch.Tensor, w: mkl_linear.MklPacked, bias: torch.Tensor | None) -> torch.Tensor:
+            if x.shape[0] > 1:
+                calls.append(x.shape[0])
+            return real_linear(x, w, bias)
+
+        monkeypatch.setattr(mkl_linear, "linear", spy_mkl)
     check_mixed_against_hf(tiny_model_dir)
     assert min(calls) <= 3 and max(calls) > 4  # decode-only steps and mixed ones both ran packed
