@@ -72,8 +72,8 @@ class DecoderLayer(nn.Module):
         self.prepare(torch_ops())  # the parameters themselves, until the runner hands over its ops
 
     def prepare(self, ops: LayerOps) -> None:
-        """Hand the linears' weights to `ops.pack` (oneDNN's reorder on a CPU, nothing elsewhere); once, after
-        the weights are loaded: a packed copy does not follow later writes to the parameters."""
+        """Hand the linears' weights to `ops.pack` (MKL's or oneDNN's packing on a CPU, nothing elsewhere);
+        once, after the weights are loaded: a packed copy does not follow later writes to the parameters."""
         self.packed = LayerWeights(qkv=ops.pack(self.qkv), o_proj=ops.pack(self.o_proj),
                                    gate_up=ops.pack(self.gate_up), down=ops.pack(self.down))
 
