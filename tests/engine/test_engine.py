@@ -142,7 +142,7 @@ def test_step_trace_and_counters(make_llm, tmp_path: Path) -> None:
     llm.engine.close()
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     assert [s["step"] for s in lines] == list(range(1, len(lines) + 1))
-    assert all(set(s) == {"step", "time", "decode_tokens", "prefill_tokens", "num_seqs", "duration_s"}
+    assert all(set(s) == {"step", "time", "decode_tokens", "prefill_tokens", "num_seqs", "duration_s", "gc_s"}
                for s in lines)
     assert all(s["decode_tokens"] + s["prefill_tokens"] <= 16 for s in lines)
     assert sum(s["prefill_tokens"] for s in lines) == sum(map(len, ps))  # no preemption: each once
