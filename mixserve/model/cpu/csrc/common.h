@@ -33,17 +33,22 @@ inline float round_to(const uint16_t*, float v) { return bf16_to_float(float_to_
 // exp(x) as a polynomial the compiler vectorises (glibc's expf stays scalar here): 2^f on [-0.5, 0.5]
 // with Cephes' exp2f coefficients (relative error ~2e-7), scaled by 2^n through the exponent bits.
 // Inputs are clamped to [-87, 88], where float's exp neither underflows to a denormal nor overflows.
-inline float fast_exp(float x) {
-    const float t = std::min(std::max(x, -87.0f), 88.0f) * 1.44269504088896341f;
-    const float n = std::floor(t + 0.5f);
-    const float f = t - n;
-    float p = 1.535336188319500e-4f;
+// 2^f for f in [-0.5, 0.5], on a float or on a vector of floats (softmax16.h: exp16).
+template <typename V>
+inline V exp2_poly(V f) {
+    V p = f * 0.0f + 1.535336188319500e-4f;
     p = p * f + 1.339887440266574e-3f;
     p = p * f + 9.618437357674640e-3f;
     p = p * f + 5.550332471162809e-2f;
     p = p * f + 2.402264791363012e-1f;
     p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
+    return p * f + 1.0f;
+}
+
+inline float fast_exp(float x) {
+    const float t = std::min(std::max(x, -87.0f), 88.0f) * 1.44269504088896341f;
+    const float n = std::floor(t + 0.5f);
+    const float p = exp2_poly(t - n);
     const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);

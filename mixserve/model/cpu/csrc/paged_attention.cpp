@@ -98,13 +98,7 @@ void attend_tile(const Item& it, const T* q, const T* k_cache, const T* v_cache,
     const int64_t num_keys = pos0 + n_tok;  // the last query of the tile sees keys 0..pos0 + n_tok - 1
     for (int64_t k0 = 0; k0 < num_keys; k0 += KEY_TILE) {
         const int64_t nk = std::min<int64_t>(KEY_TILE, num_keys - k0);
-        // Prefetch PREFETCH_TILES tiles ahead (the first tile asks for all of them).
-        const int64_t p0 = k0 == 0 ? KEY_TILE : k0 + PREFETCH_TILES * KEY_TILE;
-        const int64_t p1 = std::min<int64_t>(num_keys, k0 + (PREFETCH_TILES + 1) * KEY_TILE);
-        if (p0 < p1) {
-            prefetch_rows(k_cache, table, p0, p1 - p0, head_off, D, sh);
-            prefetch_rows(v_cache, table, p0, p1 - p0, head_off, D, sh);
-        }
+        prefetch_ahead(k_cache, v_cache, table, k0, num_keys, head_off, D, sh);
         tile_rows<T, DC>(k_cache, table, k0, nk, head_off, sh, kbuf, krow);
         tile_rows<T, DC>(v_cache, table, k0, nk, head_off, sh, vbuf, vrow);
         if (transpose) {

@@ -81,12 +81,7 @@ void attend_chunk(const Item& it, const T* q, const T* k_cache, const T* v_cache
     const vf16 zero = {}, neg = zero + NEG_BIG;
     for (int64_t k0 = 0; k0 < num_keys; k0 += KEY_TILE) {
         const int64_t nk = std::min<int64_t>(KEY_TILE, num_keys - k0);
-        const int64_t p0 = k0 == 0 ? KEY_TILE : k0 + PREFETCH_TILES * KEY_TILE;
-        const int64_t p1 = std::min<int64_t>(num_keys, k0 + (PREFETCH_TILES + 1) * KEY_TILE);
-        if (p0 < p1) {
-            prefetch_rows(k_cache, table, p0, p1 - p0, head_off, DC, sh);
-            prefetch_rows(v_cache, table, p0, p1 - p0, head_off, DC, sh);
-        }
+        prefetch_ahead(k_cache, v_cache, table, k0, num_keys, head_off, DC, sh);
         tile_rows<T, DC>(k_cache, table, k0, nk, head_off, sh, vbuf, krow);
         for (int64_t j = 0; j < nk; ++j) memcpy(kbuf[j], krow[j], sizeof(float) * DC);
         tile_rows<T, DC>(v_cache, table, k0, nk, head_off, sh, vbuf, vrow);

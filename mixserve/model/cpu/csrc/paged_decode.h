@@ -31,12 +31,7 @@ void attend_decode(const Item& it, const float* q, const float* k_cache, const f
     }
     for (int64_t k0 = 0; k0 < ctx; k0 += KEY_TILE) {  // the token is at ctx - 1: it sees every key
         const int64_t nk = std::min<int64_t>(KEY_TILE, ctx - k0);
-        const int64_t p0 = k0 == 0 ? KEY_TILE : k0 + PREFETCH_TILES * KEY_TILE;
-        const int64_t p1 = std::min<int64_t>(ctx, k0 + (PREFETCH_TILES + 1) * KEY_TILE);
-        if (p0 < p1) {
-            prefetch_rows(k_cache, table, p0, p1 - p0, 0, DC, sh, nkv);
-            prefetch_rows(v_cache, table, p0, p1 - p0, 0, DC, sh, nkv);
-        }
+        prefetch_ahead(k_cache, v_cache, table, k0, ctx, 0, DC, sh, nkv);
         tile_rows<float, DC>(k_cache, table, k0, nk, 0, sh, nullptr, krow);
         tile_rows<float, DC>(v_cache, table, k0, nk, 0, sh, nullptr, vrow);
         for (int64_t hk = 0; hk < nkv; ++hk) {

@@ -3,6 +3,8 @@
 #pragma once
 #include <stdint.h>
 
+#include <algorithm>
+
 #include "common.h"
 
 namespace mixserve {
@@ -58,6 +60,19 @@ inline void prefetch_rows(const T* cache, const int64_t* table, int64_t k0, int6
         const char* src = reinterpret_cast<const char*>(cache + (table[blk] * sh.block_size + off) * kv_row
                                                         + head_off);
         for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(src + b);
+    }
+}
+
+// The K and V rows of the keys PREFETCH_TILES tiles past key tile k0 (the first tile asks for all of them),
+// of keys below num_keys.
+template <typename T>
+inline void prefetch_ahead(const T* k_cache, const T* v_cache, const int64_t* table, int64_t k0, int64_t num_keys,
+                           int64_t head_off, int64_t D, const Shape& sh, int64_t heads = 1) {
+    const int64_t p0 = k0 == 0 ? KEY_TILE : k0 + PREFETCH_TILES * KEY_TILE;
+    const int64_t p1 = std::min<int64_t>(num_keys, k0 + (PREFETCH_TILES + 1) * KEY_TILE);
+    if (p0 < p1) {
+        prefetch_rows(k_cache, table, p0, p1 - p0, head_off, D, sh, heads);
+        prefetch_rows(v_cache, table, p0, p1 - p0, head_off, D, sh, heads);
     }
 }
 

@@ -46,14 +46,7 @@ inline vf16 exp16(vf16 x) {
     x = x > hi ? hi : x;
     const vf16 t = x * 1.44269504088896341f;
     const vi16 n = __builtin_convertvector(t + 128.5f, vi16) - 128;
-    const vf16 f = t - __builtin_convertvector(n, vf16);
-    vf16 p = vf16{} + 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
+    const vf16 p = exp2_poly(t - __builtin_convertvector(n, vf16));
     const vi16 bits = (n + 127) << 23;
     return p * (vf16)bits;  // a cast between vector types of one size reinterprets the bits
 }
