@@ -21,7 +21,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     step_trace: str = ""
     tpot_target_ms: float = 0
-    waiting_share: float = 0.25  # core/waiting_share.py
+    waiting_share: float = 0.15  # core/waiting_share.py
     max_partial_prefills: int = 0
     long_prefill_threshold: int = 0
     max_long_partial_prefills: int = 0

@@ -11,6 +11,7 @@ from mixserve.bench.simulate import SimSettings, load_requests, simulate
 from mixserve.bench.workload import RequestSpec, workload_m
 from mixserve.cli import main
 from mixserve.core.cost_model import CostCoefficients, StepCostModel, StepFeatures, attended_pairs
+from mixserve.core.waiting_share import WAITING_SHARE
 
 COST = CostCoefficients(overhead_s=0.03, per_token_s=0.0012, per_pair_s=2e-8)
 
@@ -70,16 +71,17 @@ def test_the_target_keeps_every_gap_within_it_and_chunks_more_than_prefill_chunk
 
 def test_waiting_share_reaches_the_scheduler():
     """--waiting-share (EngineConfig.waiting_share) is the simulated scheduler's: 0 keeps the short prompts
-    behind the long prompts' chunks, the default lets those that fit go first."""
+    that arrive during a long prompt's prefill behind its chunks, a share lets those that fit go first."""
     specs = workload_m(num_short=24, short_rate=2.0, long_input_len=1500, seed=1)
-    first = {}
-    for share in (0.0, 0.25):
-        settings = SimSettings(max_batch_tokens=2048, tpot_target_ms=300, waiting_share=share)
+    ahead = {}
+    for share in (0.0, WAITING_SHARE):
+        settings = SimSettings(max_batch_tokens=2048, tpot_target_ms=500, waiting_share=share)
         run = simulate(specs, COST, settings)
-        ttft = sorted(r.token_times[0] - r.start for r in run.results if r.kind == "short")
-        first[share] = ttft[len(ttft) // 2]
-    assert first[0.25] < first[0.0]
-    assert SimSettings().waiting_share == 0.25
+        longs = [r for r in run.results if r.kind == "long"]
+        ahead[share] = sum(1 for r in run.results if r.kind == "short" for x in longs
+                           if x.start < r.start and r.token_times[0] < x.token_times[0])
+    assert ahead[0.0] == 0 < ahead[WAITING_SHARE]
+    assert SimSettings().waiting_share == WAITING_SHARE
 
 
 def test_cli_prints_the_bench_report(tmp_path: Path, capsys):
