@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import httpx
 from tqdm import tqdm
 
+from mixserve.bench.lean_http import StreamedPost
 from mixserve.bench.report import RequestResult
 from mixserve.bench.workload import RequestSpec
 
@@ -46,20 +47,20 @@ def request_body(spec: RequestSpec, model: str, logprobs: int | None = None) -> 
 
 
 async def stream_one(
-    client: httpx.AsyncClient, url: str, model: str, spec: RequestSpec, t0: float,
-    logprobs: int | None = None, r: RequestResult | None = None,
+    url: str, model: str, spec: RequestSpec, t0: float, logprobs: int | None = None,
+    r: RequestResult | None = None, timeout_s: float = 600.0,
 ) -> RequestResult:
     """Stream one completion into r (a new one by default); every failure becomes r.error, never an
-    exception. A caller that cancels it keeps, in r, the tokens that had come."""
+    exception. A caller that cancels it keeps, in r, the tokens that had come. `timeout_s` bounds each
+    wait for the server (connecting, its next bytes), not the whole stream."""
     r = r if r is not None else RequestResult(spec.index, spec.kind, spec.prompt_len, spec.output_len)
     r.start = time.perf_counter() - t0
     try:
-        async with client.stream("POST", url, json=request_body(spec, model, logprobs)) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
-                r.error = f"HTTP {resp.status_code}: {body[:200]}"
+        async with StreamedPost(url, request_body(spec, model, logprobs), timeout_s) as resp:
+            if resp.status != 200:
+                r.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return r
-            async for line in resp.aiter_lines():
+            async for line in resp.lines():
                 if not line.startswith("data:"):
                     continue
                 data = line[len("data:"):].strip()
@@ -77,7 +78,8 @@ async def stream_one(
                 if usage := event.get("usage"):
                     r.prompt_tokens = usage.get("prompt_tokens")
                     r.completion_tokens = usage.get("completion_tokens")
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+    except (OSError, EOFError, TimeoutError, ValueError, asyncio.LimitOverrunError) as e:
+        # (ValueError: ProtocolError and json.JSONDecodeError; OSError: refused, reset, TLS)
         r.error = f"{type(e).__name__}: {e}"[:300]
         return r
     finally:
@@ -120,7 +122,6 @@ async def run_load(
     progress: bool = True,
     logprobs: int | None = None,
     max_duration_s: float | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
 ) -> LoadRun:
     """Send every spec at its arrival offset (seconds after start) and stream them all to the end.
 
@@ -128,36 +129,35 @@ async def run_load(
     client leave) and reported failed, so an overloaded server cannot hold the bench forever.
     """
     root = base_url(url)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(timeout_s, connect=30.0)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as client:
-        model = model or await discover_model(client, root)
-        bar = tqdm(total=len(specs), desc="requests", unit="req", disable=not progress, leave=False)
-        t0, t0_monotonic, t0_wall = time.perf_counter(), time.monotonic(), time.time()
+    if model is None:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0)) as client:
+            model = await discover_model(client, root)
+    bar = tqdm(total=len(specs), desc="requests", unit="req", disable=not progress, leave=False)
+    t0, t0_monotonic, t0_wall = time.perf_counter(), time.monotonic(), time.time()
 
-        async def send(spec: RequestSpec, r: RequestResult) -> None:
-            await asyncio.sleep(max(0.0, spec.arrival_s - (time.perf_counter() - t0)))
-            if gate is None:
-                await stream_one(client, root + COMPLETIONS_PATH, model, spec, t0, logprobs, r)
-                return
-            async with gate:
-                await stream_one(client, root + COMPLETIONS_PATH, model, spec, t0, logprobs, r)
+    async def send(spec: RequestSpec, r: RequestResult) -> None:
+        await asyncio.sleep(max(0.0, spec.arrival_s - (time.perf_counter() - t0)))
+        if gate is None:
+            await stream_one(root + COMPLETIONS_PATH, model, spec, t0, logprobs, r, timeout_s)
+            return
+        async with gate:
+            await stream_one(root + COMPLETIONS_PATH, model, spec, t0, logprobs, r, timeout_s)
 
-        async def one(spec: RequestSpec) -> RequestResult:
-            r = RequestResult(spec.index, spec.kind, spec.prompt_len, spec.output_len)
-            left = None if max_duration_s is None else max_duration_s - (time.perf_counter() - t0)
-            try:
-                async with asyncio.timeout(left):
-                    await send(spec, r)
-            except TimeoutError:
-                # the tokens that came stay in r: the cross-check with the server counts them too
-                r.ok, r.error = False, f"deadline: unfinished after the run's {max_duration_s} s"
-                r.end = time.perf_counter() - t0
-            bar.update(1)
-            return r
+    async def one(spec: RequestSpec) -> RequestResult:
+        r = RequestResult(spec.index, spec.kind, spec.prompt_len, spec.output_len)
+        left = None if max_duration_s is None else max_duration_s - (time.perf_counter() - t0)
+        try:
+            async with asyncio.timeout(left):
+                await send(spec, r)
+        except TimeoutError:
+            # the tokens that came stay in r: the cross-check with the server counts them too
+            r.ok, r.error = False, f"deadline: unfinished after the run's {max_duration_s} s"
+            r.end = time.perf_counter() - t0
+        bar.update(1)
+        return r
 
-        results = await asyncio.gather(*(one(s) for s in specs))
-        duration = time.perf_counter() - t0
-        bar.close()
+    results = await asyncio.gather(*(one(s) for s in specs))
+    duration = time.perf_counter() - t0
+    bar.close()
     return LoadRun(sorted(results, key=lambda r: r.index), duration, model, t0_monotonic, t0_wall)

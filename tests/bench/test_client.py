@@ -1,39 +1,42 @@
-"""The client against a fake OpenAI-compatible server (httpx.MockTransport): SSE parsing, usage, failures."""
+"""The client against a fake OpenAI-compatible server on 127.0.0.1 (fake_http.py): SSE parsing, usage,
+failures, concurrency and the run's deadline."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-
-import httpx
+import socket
 
 from mixserve.bench.client import base_url, run_load
 from mixserve.bench.workload import RequestSpec
+from tests.bench.fake_http import FakeServer, Reply, json_reply, sse
 
 
-def sse(events: list[dict]) -> bytes:
-    return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
-
-
-def fake_server(seen: list[dict]) -> httpx.MockTransport:
+def completions(seen: list[dict]):
     """Streams max_tokens tokens, the first two merged into one chunk, the last with its finish_reason."""
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [{"id": "fake-model"}]})
-        body = json.loads(request.content)
+    async def handler(method: str, path: str, body) -> Reply:
+        if path == "/v1/models":
+            return json_reply(200, {"object": "list", "data": [{"id": "fake-model"}]})
         seen.append(body)
         if len(body["prompt"]) > 100:
-            return httpx.Response(400, json={"error": {"message": "prompt too long"}})
+            return json_reply(400, {"error": {"message": "prompt too long"}})
         n = body["max_tokens"]
         events = [{"choices": [{"index": 0, "text": "ab", "finish_reason": None}]}]
         events += [{"choices": [{"index": 0, "text": "c", "finish_reason": None}]} for _ in range(n - 3)]
         events.append({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})  # text held back
         events.append({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n,
                                                 "total_tokens": len(body["prompt"]) + n}})
-        return httpx.Response(200, content=sse(events), headers={"content-type": "text/event-stream"})
+        return Reply(200, sse(events))
 
-    return httpx.MockTransport(handler)
+    return handler
+
+
+def load(handler, specs, path: str = "", **kw):
+    async def go():
+        async with FakeServer(handler) as srv:
+            return await run_load(srv.url + path, specs, progress=False, **kw)
+
+    return asyncio.run(go())
 
 
 def test_base_url_accepts_the_root_or_the_completions_url():
@@ -45,7 +48,7 @@ def test_base_url_accepts_the_root_or_the_completions_url():
 def test_run_load_streams_token_prompts_and_reads_usage():
     seen: list[dict] = []
     specs = [RequestSpec(0, 0.0, [1, 2, 3], 3, 5), RequestSpec(1, 0.0, [4] * 10, 10, 4, "long")]
-    run = asyncio.run(run_load("http://fake", specs, transport=fake_server(seen), progress=False))
+    run = load(completions(seen), specs)
     results = run.results
     assert run.model == "fake-model" and run.duration >= 0
     assert all(b["stream"] and b["stream_options"] == {"include_usage": True} and b["ignore_eos"]
@@ -62,42 +65,43 @@ def test_run_load_streams_token_prompts_and_reads_usage():
 
 def test_logprobs_are_requested_only_when_asked():
     seen: list[dict] = []
-    asyncio.run(run_load("http://fake", [RequestSpec(0, 0.0, [1], 1, 3)], model="m", logprobs=0,
-                         transport=fake_server(seen), progress=False))
+    load(completions(seen), [RequestSpec(0, 0.0, [1], 1, 3)], model="m", logprobs=0)
     assert seen[0]["logprobs"] == 0
 
 
 def test_http_errors_become_failed_results_with_reasons():
     specs = [RequestSpec(0, 0.0, [1] * 200, 200, 4), RequestSpec(1, 0.0, [1], 1, 2)]
-    results = asyncio.run(run_load("http://fake/v1/completions", specs, model="m",
-                                         transport=fake_server([]), progress=False)).results
+    results = load(completions([]), specs, "/v1/completions", model="m").results
     assert not results[0].ok and results[0].error.startswith("HTTP 400") and "too long" in results[0].error
     assert results[1].ok
 
 
 def test_connection_failures_are_reported_not_raised():
-    def refuse(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("connection refused", request=request)
-
-    results = asyncio.run(run_load("http://nowhere", [RequestSpec(0, 0.0, [1], 1, 2)], model="m",
-                                         transport=httpx.MockTransport(refuse), progress=False)).results
-    assert not results[0].ok and results[0].error.startswith("ConnectError")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = asyncio.run(run_load(f"http://127.0.0.1:{port}", [RequestSpec(0, 0.0, [1], 1, 2)], model="m",
+                               progress=False))
+    assert not run.results[0].ok and run.results[0].error.startswith("ConnectionRefusedError")
 
 
 def test_max_concurrency_bounds_requests_in_flight():
-    in_flight, peak = 0, 0
+    in_flight, peak, started = 0, 0, 0
+    changed = asyncio.Condition()
 
-    async def handler(request: httpx.Request) -> httpx.Response:
-        nonlocal in_flight, peak
-        in_flight += 1
-        peak = max(peak, in_flight)
-        await asyncio.sleep(0)  # let the other requests try to enter
-        in_flight -= 1
-        return httpx.Response(200, content=sse([{"choices": [{"text": "x", "finish_reason": None}]}]))
+    async def handler(method: str, path: str, body) -> Reply:
+        nonlocal in_flight, peak, started
+        async with changed:
+            in_flight, started = in_flight + 1, started + 1
+            peak = max(peak, in_flight)
+            changed.notify_all()
+            async with asyncio.timeout(10):  # each answer waits for a second request in flight (or the last)
+                await changed.wait_for(lambda: in_flight >= 2 or started == 6)
+            in_flight -= 1
+        return Reply(200, sse([{"choices": [{"text": "x", "finish_reason": None}]}]))
 
     specs = [RequestSpec(i, 0.0, [1], 1, 1) for i in range(6)]
-    results = asyncio.run(run_load("http://f", specs, model="m", max_concurrency=2,
-                                         transport=httpx.MockTransport(handler), progress=False)).results
+    results = load(handler, specs, model="m", max_concurrency=2).results
     assert all(r.ok for r in results) and peak == 2
 
 
@@ -106,16 +110,15 @@ def test_the_run_deadline_cancels_unfinished_requests_and_reports_them():
         yield b'data: {"choices": [{"text": "x", "finish_reason": null}]}\n\n'
         await asyncio.Event().wait()  # a server that stops sending mid-stream
 
-    async def handler(request: httpx.Request) -> httpx.Response:
-        if json.loads(request.content)["max_tokens"] == 1:
-            return httpx.Response(200, content=sse([{"choices": [{"text": "x", "finish_reason": "length"}]}]))
-        return httpx.Response(200, content=one_token_then_silence())
+    async def handler(method: str, path: str, body) -> Reply:
+        if body["max_tokens"] == 1:
+            return Reply(200, sse([{"choices": [{"text": "x", "finish_reason": "length"}]}]))
+        return Reply(200, one_token_then_silence())
 
     # answered; one token then silence; not due to be sent before the deadline
     specs = [RequestSpec(0, 0.0, [1], 1, 1), RequestSpec(1, 0.0, [1], 1, 5),
              RequestSpec(2, 3600.0, [1], 1, 1)]
-    results = asyncio.run(run_load("http://f", specs, model="m", max_duration_s=0.2,
-                                   transport=httpx.MockTransport(handler), progress=False)).results
+    results = load(handler, specs, model="m", max_duration_s=0.2).results
     assert results[0].ok
     assert [r.error.split(":")[0] for r in results[1:]] == ["deadline", "deadline"]
     assert len(results[1].token_times) == 1 and results[2].token_times == []  # what came is kept
