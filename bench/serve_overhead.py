@@ -13,10 +13,9 @@ own work) and their period (start to next start: the step plus everything betwee
 a stream sees). Prints both side by side with the ratios against the issue's criterion (a decode batch costs
 at most 1.15x through the server what it costs offline) and /health latency percentiles against 50 ms p99.
 Engine flags (--threads, --dtype, ...) go to both runs. `make bench-serve`. Loopback only; the client and
-the poller share the machine's cores with the server, so the served figures are an upper bound;
-`--client-nice 19` runs the client (not the poller) at the lowest priority once the server is up, so that
-on a 2-core machine the load generator's CPU (7-13% of a core measured; a spinner of 10% slows an offline
-step 1.12-1.17x) is not counted as the server's.
+the poller share the machine's cores with the server, so the served figures are an upper bound (both are
+lean for that reason: mixserve/bench/lean_http.py, http.client; 5-6% of a core together on 32 streams, where
+httpx took 13-15%; a process using 10% of a core slows an offline decode step 1.12-1.17x).
 """
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ from mixserve.config import add_engine_flags  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MAX_STEP_RATIO, MAX_HEALTH_P99_S = 1.15, 0.050
-OWN_FLAGS = {"--out": 1, "--rounds": 1, "--health-interval": 1, "--timeout": 1, "--offline-child": 1,
-             "--client-nice": 1}
+OWN_FLAGS = {"--out": 1, "--rounds": 1, "--health-interval": 1, "--timeout": 1, "--offline-child": 1}
 WORKLOAD_FLAGS = {"--num-requests": 1, "--prompt-len": 1, "--output-tokens": 1, "--offline-thread": 0}
 
 
@@ -145,8 +143,6 @@ def served(args: argparse.Namespace, eng: list[str], trace: Path, log: Path) -> 
         poller = threading.Thread(target=poll_health,
                                   args=(server.url, args.health_interval, stop, latencies))
         poller.start()
-        if args.client_nice:  # Linux: this thread only; the server and the poller keep their priority
-            os.setpriority(os.PRIO_PROCESS, 0, args.client_nice)
         cpu0, wall0 = time.process_time(), time.perf_counter()
         try:
             results = asyncio.run(asyncio.wait_for(stream_all(server.url, specs), args.timeout))
@@ -177,9 +173,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(HERE / "results" / "serve_overhead.json"))
     parser.add_argument("--offline-thread", action="store_true",
                         help="offline, step from a fresh thread (as the server does), not the loading one")
-    parser.add_argument("--client-nice", type=int, default=0, metavar="N",
-                        help="run the client (not the /health poller) at niceness N (e.g. 19) once the "
-                        "server is up, so that its CPU on the server's cores counts less (0: as is)")
     parser.add_argument("--offline-child", metavar="TRACE", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.offline_child:

@@ -58,8 +58,7 @@ def test_offline_passes_only_engine_and_workload_flags_to_its_children() -> None
 
 
 def test_serve_overhead_server_gets_no_workload_flags() -> None:
-    argv = ["--num-requests", "8", "--rounds", "2", "--dtype", "bfloat16", "--output-tokens=4", "--out", "x",
-            "--client-nice", "19"]
+    argv = ["--num-requests", "8", "--rounds", "2", "--dtype", "bfloat16", "--output-tokens=4", "--out", "x"]
     eng = serve_overhead.without(argv, serve_overhead.OWN_FLAGS)
     assert eng == ["--num-requests", "8", "--dtype", "bfloat16", "--output-tokens=4"]
     assert serve_overhead.without(eng, serve_overhead.WORKLOAD_FLAGS) == ["--dtype", "bfloat16"]
