@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mixserve.core.cost_model import DRIFT_DOWN, DRIFT_RANGE, DRIFT_UP
+from mixserve.core.step_drift import DRIFT_DOWN, DRIFT_RANGE, DRIFT_UP
 
 STEPS = Path(__file__).parent / "results" / "tpot-target" / "full-M-4" / "steps"
 DEFAULT_TRACES = [STEPS / f"{n}.steps.jsonl" for n in

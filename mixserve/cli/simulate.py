@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from mixserve.bench.report import STALL_THRESHOLD_S, build_report, format_summary
+from mixserve.bench.step_noise import StepNoise
 from mixserve.cli.bench import add_workload_flags, build_workload
 from mixserve.config import ConfigError, add_engine_flags, config_from_args
 from mixserve.core.cost_model import StepCostModel
@@ -39,6 +41,12 @@ def register(subparsers: Any) -> None:
                    help="the profile's time bound (default %(default)s)")
     p.add_argument("--stall-threshold", type=float, default=STALL_THRESHOLD_S,
                    help="a gap between two tokens over this many seconds is a stall (default %(default)s)")
+    p.add_argument("--noise-from", nargs="+", metavar="TRACE",
+                   help="step traces of TPOT-target runs (--step-trace): each simulated step's time is the "
+                        "model's times a measured / predicted ratio drawn from them (bench/step_noise.py)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="with --noise-from: replay this many noise seeds and print each one's stalls and "
+                        "long-prompt TTFT (the report is the first seed's; default %(default)s)")
     p.add_argument("--out", help="write the JSON report here")
     p.add_argument("--plot", help="write the bench's picture of the run (CDFs, tokens over time) here")
     p.add_argument("--timeline", help="write the step timeline picture here")
@@ -78,11 +86,19 @@ def simulate_command(args: argparse.Namespace) -> int:
         else:
             specs, desc = build_workload(args)
         settings = SimSettings.from_engine_config(cfg)
-        run = simulate(specs, model.coefficients, settings)
+        if args.seeds < 1 or (args.seeds > 1 and not args.noise_from):
+            raise ValueError("--seeds must be >= 1, and more than 1 needs --noise-from (without noise every "
+                             "seed replays the same run)")
+        noise = StepNoise.from_traces(args.noise_from) if args.noise_from else None
+        runs = [simulate(specs, model.coefficients, settings, noise, seed) for seed in range(args.seeds)]
     except (ConfigError, ValueError, OSError) as e:
         print(f"mixserve simulate: {e}", file=sys.stderr)
         return 2
-    report = simulated_report(run, desc, settings, model, cfg.cost_model, args.stall_threshold)
+    run = runs[0]
+    reports = [simulated_report(r, desc, settings, model, cfg.cost_model, args.stall_threshold) for r in runs]
+    report = reports[0]
+    if noise is not None:
+        report["noise"] = {"traces": args.noise_from, "seeds": seed_rows(reports)}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
@@ -96,7 +112,34 @@ def simulate_command(args: argparse.Namespace) -> int:
             plot_timelines([Timeline(f"simulated: {settings_label(settings)}", run.steps,
                                      settings.max_batch_tokens, longs)], args.timeline)
     print(format_summary(report))
+    if noise is not None:
+        print(noise.describe())
+        print(format_seeds(report["noise"]["seeds"]))
     return 0
+
+
+def seed_rows(reports: list[dict]) -> list[dict]:
+    """Per noise seed: the short requests' stalls and worst gap, the long prompts' TTFT p50."""
+    rows = []
+    for seed, r in enumerate(reports):
+        short, long = r["classes"].get("short", {}), r["classes"].get("long", {})
+        rows.append({"seed": seed, "stalled": short.get("stalled"), "max_gap_s": short.get("max_gap_s"),
+                     "long_ttft_p50_s": (long.get("ttft_s") or {}).get("p50")})
+    return rows
+
+
+def format_seeds(rows: list[dict]) -> str:
+    """Lines of per-seed figures and their spread over seeds."""
+    stalled = [r["stalled"] for r in rows if r["stalled"] is not None]
+    longs = sorted(r["long_ttft_p50_s"] for r in rows if r["long_ttft_p50_s"] is not None)
+    lines = [f"noise seed {r['seed']}: stalled {r['stalled']}, max gap {1000 * (r['max_gap_s'] or 0):.0f} ms"
+             + (f", long TTFT p50 {r['long_ttft_p50_s']:.2f} s" if r["long_ttft_p50_s"] is not None else "")
+             for r in rows]
+    if stalled:
+        lines.append(f"over {len(rows)} seeds: stalled none in {sum(x == 0 for x in stalled)}, median "
+                     f"stalled {statistics.median(stalled):g}"
+                     + (f", long TTFT p50 median {statistics.median(longs):.2f} s" if longs else ""))
+    return "\n".join(lines)
 
 
 def settings_label(s: Any) -> str:

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 from itertools import combinations
 from pathlib import Path
 
+from mixserve.core.step_drift import StepDrift
+
 # Features are scaled before the fit so the normal equations stay well conditioned: a step holds up to
 # thousands of tokens and millions of (token, position) pairs.
 TOKEN_SCALE = 1e3
@@ -20,14 +22,6 @@ NUM_FEATURES = 4  # 1, tokens, pairs, sequences
 # of many decode-only steps then cannot wash out what the rarer big prefill steps taught the fit.
 DEFAULT_WINDOW = 64
 FORMAT = "mixserve-step-cost/2"  # /2: per_seq_s; a /1 file loads (per_seq_s 0)
-# How fast predictions follow a machine that turns slower or faster (another process taking cores): an
-# average of the measured / predicted ratio of the last planned steps (decodes and chunks: the ones the
-# budget sizes) scales every prediction the budget uses. The fit alone follows only as fast as its windows,
-# over tens of steps; a stall is one step. It rises faster than it falls: replayed on four full-M target
-# runs (bench/drift_study.py, 252 planned steps), falling at 0.3 rather than 0.15 had as many steps over the
-# stall line (5) and ended the median step at 0.974 of its prediction, not 0.952 (2% more of each step used).
-DRIFT_UP, DRIFT_DOWN = 0.5, 0.3
-DRIFT_RANGE = (0.6, 3.0)
 
 
 def attended_pairs(start: int, length: int) -> int:
@@ -160,7 +154,7 @@ class StepCostModel:
         # the last step observed: its time as predicted before it ran (None when nobody asked), as measured
         self.last_predicted_s: float | None = None
         self.last_actual_s: float | None = None
-        self.drift = 1.0  # the recent measured / predicted ratio of planned steps (DRIFT_UP, DRIFT_DOWN)
+        self.step_drift = StepDrift()  # the recent measured / predicted ratio, and the spread around it
 
     def observe(self, f: StepFeatures, seconds: float, planned: bool = True) -> None:
         """Learn from one step that took `seconds`; `planned`: it held decodes and chunks (drift)."""
@@ -174,8 +168,7 @@ class StepCostModel:
             base = fit.predict(f)
             self.last_predicted_s = base * self.drift
             if base > 0 and planned:
-                ratio = min(max(seconds / base, DRIFT_RANGE[0]), DRIFT_RANGE[1])
-                self.drift += (DRIFT_UP if ratio > self.drift else DRIFT_DOWN) * (ratio - self.drift)
+                self.step_drift.observe(seconds / base)
         self.last_actual_s = seconds
         self._buckets.setdefault(f.num_tokens.bit_length(), _Bucket()).add(_x(f), seconds, self.decay)
         self.num_samples += 1
@@ -199,9 +192,14 @@ class StepCostModel:
         return CostCoefficients(c[0], c[1] / TOKEN_SCALE, c[2] / PAIR_SCALE, c[3] / SEQ_SCALE)
 
     @property
+    def drift(self) -> float:
+        return self.step_drift.factor
+
+    @property
     def budget_coefficients(self) -> CostCoefficients:
-        """The fit scaled by the recent drift: what the budget plans with (the file keeps the fit)."""
-        c, d = self.coefficients, self.drift
+        """The fit scaled by the drift and the spread's margin: what the budget plans with, a step's p90
+        time (step_drift.py; the file keeps the fit)."""
+        c, d = self.coefficients, self.drift * self.step_drift.margin
         return c if d == 1.0 else CostCoefficients(*(x * d for x in c.as_list()))
 
     def predict(self, f: StepFeatures) -> float:

@@ -127,7 +127,7 @@ class StepCost:
         if self._predicted is None:
             return {}
         return {"predicted_s": self._predicted, "cost_model": self.model.coefficients.as_list(),
-                "drift": self.model.drift}
+                "drift": self.model.drift, "margin": self.model.step_drift.margin}
 
     @property
     def last_predicted_s(self) -> float | None:
