@@ -9,16 +9,15 @@ requests' TTFT p50 0.79x a real run's (full-M-2's target run, on a fit of its ow
 What it leaves out, deliberately: the time between two steps (measured on M: about 1 ms mean), the HTTP
 stream (about 2 ms from send to arrival), and a machine whose speed changes mid-run (the engine's drift):
 the replay runs at the fit's speed throughout. With `noise` (bench/step_noise.py: a machine's measured
-step-time spread) each step's time is the model's times a ratio drawn from it, seeded: the replay then
-stalls as often as a noisy machine would, which the fit alone never does. A `--profile` model times
-forwards only, not sampling and detokenizing; a model written by `serve` on shutdown times whole steps and
-is the one to replay a run with.
+step-time spread) each step's time is the model's times a measured ratio, walked from a seeded point: the
+replay then stalls as often as a noisy machine would, which the fit alone never does. A `--profile` model
+times forwards only, not sampling and detokenizing; a model written by `serve` on shutdown times whole
+steps and is the one to replay a run with.
 """
 
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,8 +80,8 @@ def build_scheduler(s: SimSettings, cost: CostCoefficients, specs: Sequence[Requ
 def simulate(specs: Sequence[RequestSpec], cost: CostCoefficients, s: SimSettings,
              noise: StepNoise | None = None, seed: int = 0) -> SimRun:
     """Run every request to its last token; each step lasts what `cost` predicts for it (times a ratio
-    drawn from `noise` with `seed`, when given: the budget still plans by `cost` alone)."""
-    rng = random.Random(seed)
+    drawn from `noise` with `seed`, when given: the budget still plans by `cost`, and its margin learns)."""
+    replay = noise.replay(seed) if noise is not None else None
     for x in specs:
         if x.prompt_len < 1 or x.output_len < 1:
             raise ValueError(f"request {x.index}: prompt_len and output_len must be >= 1 (a text prompt "
@@ -107,9 +106,9 @@ def simulate(specs: Sequence[RequestSpec], cost: CostCoefficients, s: SimSetting
             raise RuntimeError("the scheduler scheduled nothing while requests are unfinished")
         p = plan(sched, out)
         duration = cost.predict(step_features((q.start, len(q.tokens)) for q in p.batch.seqs))
-        if noise is not None:
+        if replay is not None:
             planned = 0 < len(out.decodes) < out.num_tokens
-            ratio = noise.draw(rng, planned)
+            ratio = replay.next(planned)
             duration *= ratio
             if planned and sched.step_budget is not None:  # the budget's margin learns the spread, as live
                 sched.step_budget.model.step_drift.observe_residual(ratio)

@@ -18,10 +18,12 @@ steps over 490 ms (one in 29) and stalled the streams in most runs. So the budge
 p90 time instead: the fit times the drift times `margin`, the 0.9 quantile of the last 128 planned steps'
 measured / predicted ratios (1 until 8 steps are known, within 1..1.5). It follows the machine: a quiet
 one with a tight spread gets steps close to the target. Replayed on full-M-8's measured noise
-(`mixserve simulate --noise-from`, 20 seeds each), a 400 ms target stalled none in 14 of 20 seeds
-without the margin; a fixed 360 ms, what the margin comes to there, in 20 of 20, and the long prompts'
-TTFT p50 moved from 2.48 to 2.50 s. Why p90 and not a fixed lower target: the same rule holds on a quieter
-or noisier machine. Why not p99: two slow steps in a window of 128 would decide every step.
+(`mixserve simulate --noise-from`, bench/noise_sweep.py, 20 seeds), a 400 ms target stalled none in 10 of
+20 seeds without the margin and in 16 of 20 with it, the long prompts' TTFT p50 2.50 s either way (budget
+256: 2 of 20, 2.69 s). It cannot help against a disturbance: in full-M-9's third target run steps ran 2-3x
+their prediction for ~10 s, and on that noise the margin made no difference (11 and 10 of 20). Why p90 and
+not a fixed lower target: the same rule holds on a quieter or noisier machine. Why not p99: two slow steps
+in a window of 128 would decide every step.
 """
 
 from __future__ import annotations

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 
 from mixserve.bench.simulate import SimSettings, simulate
-from mixserve.bench.step_noise import StepNoise
+from mixserve.bench.step_noise import MeasuredRun, StepNoise
 from mixserve.bench.workload import RequestSpec, workload_m
 from mixserve.cli import main
 from mixserve.core.cost_model import CostCoefficients
@@ -34,10 +33,27 @@ def test_ratios_are_read_per_kind(tmp_path: Path):
     trace = write_trace(tmp_path / "a.steps.jsonl", [(4, 100, 0.5, 0.4), (4, 0, 0.09, 0.1), (0, 64, 0.2, 0.2),
                                                        (3, 50, 0.3, None)])
     noise = StepNoise.from_traces([trace])
-    assert noise.planned == (1.25,) and noise.other == pytest.approx((0.9, 1.0))
+    (run,) = noise.runs
+    assert run.planned == (1.25,) and run.other == pytest.approx((0.9, 1.0))
     assert "1 planned steps" in noise.describe()
-    rng = random.Random(0)
-    assert noise.draw(rng, planned=True) == 1.25 and noise.draw(rng, planned=False) in noise.other
+
+
+def test_a_replay_walks_one_run_in_order_from_a_seeded_point(tmp_path: Path):
+    slow = write_trace(tmp_path / "slow.jsonl", [(4, 100, 0.4 * r, 0.4) for r in (1.1, 1.2, 1.3, 1.4)])
+    quiet = write_trace(tmp_path / "quiet.jsonl", [(4, 100, 0.4 * r, 0.4) for r in (0.9, 0.95)] +
+                        [(4, 0, 0.1, 0.1)])
+    noise = StepNoise.from_traces([slow, quiet])
+    walks = set()
+    for seed in range(20):
+        replay = noise.replay(seed)
+        walk = tuple(round(replay.next(True), 6) for _ in range(8))
+        walks.add(walk)
+        run = next(r for r in noise.runs if walk[0] in [round(x, 6) for x in r.planned])
+        n = len(run.planned)
+        start = [round(x, 6) for x in run.planned].index(walk[0])
+        assert list(walk) == [round(run.planned[(start + i) % n], 6) for i in range(8)]  # in order, wrapping
+    assert len(walks) > 2  # seeds pick other runs and other points
+    assert noise.replay(3).next(True) == noise.replay(3).next(True)
 
 
 @pytest.mark.parametrize("rows, message", [([(4, 100, 0.5, None)], "no step with predicted_s"),
@@ -55,9 +71,9 @@ def test_noise_scales_each_step_and_is_seeded():
     specs = [RequestSpec(i, 0.0, [], 30 + 17 * i, 6 + i) for i in range(10)]
     settings = SimSettings(prefill_chunk=64, max_batch_tokens=256)
     plain = simulate(specs, COST, settings)
-    doubled = simulate(specs, COST, settings, StepNoise((2.0,), (2.0,)))
+    doubled = simulate(specs, COST, settings, StepNoise.constant(2.0, 2.0))
     assert [s.duration_s for s in doubled.steps] == pytest.approx([2 * s.duration_s for s in plain.steps])
-    noise = StepNoise((0.9, 1.0, 1.3), (0.8, 1.1))
+    noise = StepNoise((MeasuredRun((0.9, 1.0, 1.3, 1.2, 0.8), (0.8, 1.1, 1.05)),))
     a, b = simulate(specs, COST, settings, noise, seed=1), simulate(specs, COST, settings, noise, seed=1)
     c = simulate(specs, COST, settings, noise, seed=2)
     assert a.steps == b.steps and a.steps != c.steps
@@ -68,7 +84,7 @@ def test_the_margin_keeps_a_noisy_target_within_it():
     sizes planned steps so that even so they stay within the target (without a margin: 1.25x over it)."""
     specs = workload_m(num_short=24, short_rate=2.0, long_input_len=1500, seed=1)
     settings = SimSettings(max_batch_tokens=2048, tpot_target_ms=300)
-    run = simulate(specs, COST, settings, StepNoise((1.25,), (1.0,)))
+    run = simulate(specs, COST, settings, StepNoise.constant(1.25, 1.0))
     planned = [s for s in run.steps if s.decode_tokens and s.prefill_tokens]
     assert len(planned) > 2 * SPREAD_MIN_STEPS
     late = planned[SPREAD_MIN_STEPS:]
