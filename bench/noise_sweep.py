@@ -5,7 +5,8 @@ Not a test. Run (seconds, no weights):
     .venv/bin/python bench/noise_sweep.py --run-dir bench/results/tpot-target/full-M-8 [--seeds 20]
 
 --run-dir takes a `bench sweep` output: the noise comes from its target runs' step traces
-(steps/tpot*.steps.jsonl) and the cost model from its first target run's file (or --cost-model). Each
+(tpot*.steps.jsonl in its steps/ folder, as committed, or tmp/, as the sweep leaves them) and the cost model
+from its first target run's file (or --cost-model). Each
 setting replays workload M (the bench's seed 0) once per noise seed. `--no-margin` also replays the
 target as the engine planned it before the spread's margin (core/step_drift.py): side by side, the same
 seeds. A real run adds ~5-10 ms of HTTP and between-step time to each gap, which the replay leaves out.
@@ -65,6 +66,8 @@ def main() -> int:
     ap.add_argument("--no-margin", action="store_true", help="also each target without the margin")
     args = ap.parse_args()
     steps = Path(args.run_dir) / "steps"
+    if not steps.is_dir():
+        steps = Path(args.run_dir) / "tmp"
     traces = sorted(steps.glob("tpot*.steps.jsonl"))
     costs = sorted(steps.glob("tpot*.cost.json"))
     if not traces or not (costs or args.cost_model):
