@@ -23,9 +23,9 @@ in the window, that lag held the margin at 1.2-1.3 for the whole run and left st
 that ran 245-346 ms). It follows the machine: a quiet
 one with a tight spread gets steps close to the target. Replayed on full-M-8's measured noise
 (`mixserve simulate --noise-from`, bench/noise_sweep.py, 20 seeds), a 400 ms target stalled none in 10 of
-20 seeds without the margin and in 16 of 20 with it, the long prompts' TTFT p50 2.50 s either way (budget
+20 seeds without the margin and in 14 of 20 with it, the long prompts' TTFT p50 2.50 and 2.52 s (budget
 256: 2 of 20, 2.69 s). It cannot help against a disturbance: in full-M-9's third target run steps ran 2-3x
-their prediction for ~10 s, and on that noise the margin made no difference (11 and 10 of 20). Why p90 and
+their prediction for ~10 s, and on that noise the margin did little (11 and 12 of 20). Why p90 and
 not a fixed lower target: the same rule holds on a quieter or noisier machine. Why not p99: two slow steps
 in a window of 128 would decide every step.
 """
