@@ -270,7 +270,8 @@ class TpotBudget:
         """SchedulerStats' cost fields: the last step's predicted and measured time, the coefficients."""
         m = self.model
         return {"step_predicted_s": m.last_predicted_s, "step_actual_s": m.last_actual_s,
-                "cost_coefficients": tuple(m.coefficients.as_list())}
+                "cost_coefficients": tuple(m.coefficients.as_list()), "cost_drift": m.drift,
+                "cost_margin": m.step_drift.margin}
 
     def chunk_budget(self, step: StepFeatures, start: int, budget_left: int) -> int:
         """The largest chunk length <= budget_left, at positions `start ..`, that keeps the step's

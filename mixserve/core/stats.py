@@ -23,10 +23,12 @@ class SchedulerStats:
     num_cached_blocks: int = 0  # blocks holding a cached prefix, referenced or not (a gauge)
     # The step cost model while a TPOT target is on (None otherwise): the last step's predicted and
     # measured time, and the coefficients of core/cost_model.py (overhead_s, per_token_s, per_pair_s,
-    # per_seq_s).
+    # per_seq_s), and what the budget scales the fit by: the drift and the spread's margin (step_drift.py).
     step_predicted_s: float | None = None
     step_actual_s: float | None = None
     cost_coefficients: tuple[float, ...] | None = None
+    cost_drift: float | None = None
+    cost_margin: float | None = None
 
     @property
     def kv_cache_usage(self) -> float:

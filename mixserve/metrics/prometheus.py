@@ -78,6 +78,10 @@ class ServerMetrics:
                                       "The cost model's fitted coefficients: step s = overhead_s + "
                                       "per_token_s * tokens + per_pair_s * pairs + per_seq_s * sequences.",
                                       ["term"], registry=r)
+        self.cost_drift = Gauge("mixserve:step_cost_drift", "What the budget scales the fit by: the recent "
+                                "measured / predicted of planned steps.", registry=r)
+        self.cost_margin = Gauge("mixserve:step_cost_margin", "And beyond the drift: the p90 of planned "
+                                 "steps' measured / predicted, so a step plans to its p90 time.", registry=r)
 
     # -- engine side: called by the step loop after each step (or after draining adds/aborts)
     def observe_stats(self, stats: EngineStats | SchedulerStats, *, stepped: bool,
@@ -107,6 +111,9 @@ class ServerMetrics:
         terms = ("overhead_s", "per_token_s", "per_pair_s", "per_seq_s")  # CostCoefficients.as_list()
         for term, value in zip(terms, coefficients, strict=True):
             self.cost_coefficient.labels(term).set(value)
+        if stats.cost_drift is not None and stats.cost_margin is not None:
+            self.cost_drift.set(stats.cost_drift)
+            self.cost_margin.set(stats.cost_margin)
         predicted, actual = stats.step_predicted_s, stats.step_actual_s
         if predicted is not None and actual is not None:
             self.step_predicted.set(predicted)

@@ -105,6 +105,8 @@ def test_metrics_show_the_cost_model_while_a_target_is_on(make_llm) -> None:
     assert 'mixserve:step_cost_coefficient{term="per_token_s"}' in text
     assert f'mixserve:step_cost_coefficient{{term="per_seq_s"}} {model.coefficients.per_seq_s}' in text
     assert "mixserve:step_cost_actual_over_predicted_count 1.0" in text
+    assert f"mixserve:step_cost_drift {model.drift}" in text
+    assert f"mixserve:step_cost_margin {model.step_drift.margin}" in text
     off = ServerMetrics()
     off.observe_stats(make_llm(max_batch_tokens=64).engine.stats().scheduler, stepped=True)
     assert 'step_cost_coefficient{' not in off.render()[0].decode()
