@@ -15,6 +15,7 @@ from mixserve.core.cost_model import (
     attended_pairs,
     step_features,
 )
+from tests.core.budget_case import budget_case
 
 TRUE = CostCoefficients(overhead_s=0.02, per_token_s=0.0015, per_pair_s=4e-8)
 
@@ -219,10 +220,8 @@ def test_scheduler_stats_carry_the_model_while_a_target_is_on():
 
 def test_predictions_follow_a_machine_that_turns_slower_within_steps():
     model = StepCostModel(TRUE)
-    budget = TpotBudget(model, 0.4)
-    step = step_features([(500, 1)] * 20)
-    before = budget.chunk_budget(step, 0, 2048)
-    f = step.plus(0, before)
+    case = budget_case(model, decodes=20, context=500, start=0)
+    budget, step, before, f = case.budget, case.step, case.chunk, case.features
     for _ in range(3):  # another process takes the cores: every step now takes 1.6x as long
         model.observe(f, 1.6 * model.coefficients.predict(f))
         model.predict(f)  # the engine reads the model every step while a target is on

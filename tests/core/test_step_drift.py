@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mixserve.core.cost_model import CostCoefficients, StepCostModel, TpotBudget, step_features
+from mixserve.core.cost_model import CostCoefficients, StepCostModel, step_features
 from mixserve.core.step_drift import SPREAD_MIN_STEPS, SPREAD_RANGE, SPREAD_WARMUP, SPREAD_WINDOW, StepDrift
+from tests.core.budget_case import budget_case
 
 TRUE = CostCoefficients(overhead_s=0.03, per_token_s=0.001, per_pair_s=5e-7, per_seq_s=0.0005)
 
@@ -60,10 +61,8 @@ def test_the_residual_is_measured_against_the_drifted_prediction():
 
 def test_the_budget_plans_with_the_margin_and_predictions_stay_the_mean():
     model = StepCostModel(TRUE)
-    budget = TpotBudget(model, 0.4)
-    step = step_features([(300, 1)] * 10)
-    before = budget.chunk_budget(step, 500, 2048)
-    f = step.plus(500, before)
+    case = budget_case(model, decodes=10, context=300, start=500)
+    budget, step, before, f = case.budget, case.step, case.chunk, case.features
     expected = model.predict(f)
     for _ in range(SPREAD_WARMUP + SPREAD_MIN_STEPS):
         model.step_drift.observe_residual(1.2)
