@@ -183,6 +183,9 @@ def cpu_ops(dtype: torch.dtype) -> LayerOps:
                         rotary=_rotary)
     from mixserve.model.cpu import layer_ops
 
+    if pack is mkl_linear.pack:  # with the kernels built, decode-sized GEMMs take panels (few_row_linear.py)
+        pack = functools.partial(mkl_linear.pack, few_rows=True)
+
     def rotary(qk: Tensor, num_q_heads: int, state: Rotary) -> tuple[Tensor, Tensor]:
         cos, sin, positions = state
         layer_ops.rotary_(qk, cos, sin, positions)

@@ -23,7 +23,7 @@ from pathlib import Path
 log = logging.getLogger("mixserve")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "few_row_linear.cpp")
 HEADERS = (CSRC / "common.h", CSRC / "vec16.h", CSRC / "paged_tiles.h", CSRC / "paged_decode.h",
            CSRC / "softmax16.h", CSRC / "paged_chunk.h")
 # The parts of -ffast-math the kernel wants (reassociated sums vectorise; it uses no infinities), named
@@ -35,13 +35,17 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-
          "-shared", "-fPIC")
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-# Every function takes a dtype code first (0 float32, 1 bfloat16) and returns 0 or an error code.
+# Every function takes a dtype code first (0 float32, 1 bfloat16) and returns 0 or an error code (the one
+# query, mixserve_few_row_panel_width, takes nothing and returns a width).
 SIGNATURES = {
     "mixserve_paged_attention": [_I] + [_P] * 7 + [_I64] * 10 + [_F, _I],
     "mixserve_store_kv": [_I, _P, _P] + [_I64] * 4 + [_P, _P, _P] + [_I64] * 3,
     "mixserve_rms_norm": [_I, _P, _I64, _P, _P, _P, _I64, _I64, _F, _I],
     "mixserve_rotary": [_I, _P] + [_I64] * 5 + [_P, _P, _P, _I],
     "mixserve_silu_and_mul": [_I, _P, _P, _I64, _I64, _I],
+    "mixserve_few_row_panel_width": [],
+    "mixserve_few_row_pack": [_I, _P, _I64, _I64, _P],
+    "mixserve_few_row_linear": [_I, _P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I],
 }
 
 

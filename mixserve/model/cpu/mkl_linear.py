@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mixserve.model.cpu import few_row_linear
+
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
 _PACK_ROWS_HINT = 256  # the row count the packing is told; every other count computes on the same buffer
 _I, _P, _F = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
@@ -31,12 +33,14 @@ _I, _P, _F = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 
 @dataclass(frozen=True)
 class MklPacked:
-    """A (n, k) weight packed by MKL for out = x @ weight.T, and the plain weight for one-row GEMVs."""
+    """A (n, k) weight packed by MKL for out = x @ weight.T, the plain weight for one-row GEMVs, and the
+    weight's column panels for few rows where they were asked for (`few`, few_row_linear.py)."""
 
     plain: Tensor
     buffer: Tensor
     n: int
     k: int
+    few: few_row_linear.PanelWeight | None = None
 
 
 @functools.cache
@@ -51,7 +55,8 @@ def _cblas() -> ctypes.CDLL:
     return lib
 
 
-def pack(w: Tensor) -> MklPacked:
+def pack(w: Tensor, few_rows: bool = False) -> MklPacked:
+    """MKL's packing of w; with `few_rows`, also the panels that take 1..FEW_ROWS rows (where they build)."""
     w = w.detach().contiguous()
     n, k = w.shape
     lib = _cblas()
@@ -60,12 +65,15 @@ def pack(w: Tensor) -> MklPacked:
     # B = weight.T (k x n), handed over as the row-major (n x k) weight with transb
     lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, _PACK_ROWS_HINT, n, k, 1.0, w.data_ptr(), k,
                          buffer.data_ptr())
-    return MklPacked(w, buffer, n, k)
+    return MklPacked(w, buffer, n, k, few_row_linear.pack(w) if few_rows else None)
 
 
 def linear(x: Tensor, w: MklPacked, bias: Tensor | None) -> Tensor:
-    """x (m, k) float32 -> x @ w.T + bias; one row is a GEMV on the plain weight (aten's mv is best there)."""
+    """x (m, k) float32 -> x @ w.T + bias: few rows through the panels where `w` has them; else one row is a
+    GEMV on the plain weight (aten's mv beats MKL's GEMM there) and more rows MKL's packed GEMM."""
     m = x.shape[0]
+    if w.few is not None and m <= few_row_linear.FEW_ROWS:
+        return few_row_linear.linear(x, w.few, bias)
     if m == 1:
         y = torch.mv(w.plain, x[0]) if bias is None else torch.addmv(bias, w.plain, x[0])
         return y.unsqueeze(0)

@@ -1,0 +1,67 @@
+"""The few-row float32 linear (mixserve/model/cpu/few_row_linear.py): equal to F.linear at every row count it
+takes, odd shapes included; the CPU ops send decode-sized GEMMs to it and bigger ones to MKL; without the
+kernel (no AVX-512) nothing is packed and MKL takes every row count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixserve.model import ops
+from mixserve.model.cpu import few_row_linear, mkl_linear
+
+needs_panels = pytest.mark.skipif(few_row_linear.panel_width() == 0,
+                                  reason="the few-row kernel is built only for AVX-512 CPUs")
+
+
+def _case(n: int, k: int, rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) / k**0.5, 0.1 * torch.randn(n, generator=g),
+            torch.randn(rows, k, generator=g))
+
+
+@needs_panels
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (37, 45), (130, 7), (64, 64)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 31, 32])
+def test_panels_equal_f_linear(n: int, k: int, rows: int) -> None:
+    w, b, x = _case(n, k, rows, seed=rows)
+    packed = few_row_linear.pack(w)
+    assert packed is not None and packed.panels.numel() % (few_row_linear.panel_width() * k) == 0
+    # float32 sums in another order than MKL's: a few ulps of K products
+    torch.testing.assert_close(few_row_linear.linear(x, packed, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(few_row_linear.linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    wide = torch.cat([x, torch.ones(rows, 5)], dim=1)[:, :k]  # rows of a wider tensor: stride > k
+    torch.testing.assert_close(few_row_linear.linear(wide, packed, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_panels
+def test_cpu_ops_route_few_rows_to_the_panels_and_more_to_mkl(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = ops.cpu_ops(torch.float32)
+    w, b, _ = _case(960, 576, 1)
+    packed = cpu.pack(w)
+    assert isinstance(packed, mkl_linear.MklPacked) and packed.few is not None
+    seen: list[int] = []
+    real = few_row_linear.linear
+
+    def spy(x: torch.Tensor, pw: few_row_linear.PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return real(x, pw, bias)
+
+    monkeypatch.setattr(few_row_linear, "linear", spy)
+    for rows in (1, few_row_linear.FEW_ROWS, few_row_linear.FEW_ROWS + 1, 200):
+        x = torch.randn(rows, 576)
+        torch.testing.assert_close(cpu.linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert seen == [1, few_row_linear.FEW_ROWS]  # more rows than that run MKL's packed GEMM
+
+
+def test_without_the_kernel_mkl_takes_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(few_row_linear, "panel_width", lambda: 0)
+    w, b, x = _case(960, 576, 3)
+    packed = ops.cpu_ops(torch.float32).pack(w)
+    assert packed.few is None
+    torch.testing.assert_close(mkl_linear.linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_only_float32_is_packed() -> None:
+    assert few_row_linear.pack(torch.ones(64, 64, dtype=torch.bfloat16)) is None
