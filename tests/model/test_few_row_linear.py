@@ -32,7 +32,8 @@ def test_panels_equal_f_linear(n: int, k: int, rows: int) -> None:
     torch.testing.assert_close(few_row_linear.linear(x, packed, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(few_row_linear.linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     wide = torch.cat([x, torch.ones(rows, 5)], dim=1)[:, :k]  # rows of a wider tensor: stride > k
-    torch.testing.assert_close(few_row_linear.linear(wide, packed, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    got = few_row_linear.linear(wide, packed, None)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 @needs_panels
