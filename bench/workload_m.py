@@ -10,6 +10,10 @@ for the 12-at-0.5/s variant of `make bench`), then sends a fresh 1,500-token pro
   - /health latency, polled every 50 ms during M: p99 target < 50 ms.
 
     .venv/bin/python bench/workload_m.py [--scaled] [--server-args "--dtype bfloat16"] [--url URL]
+    .venv/bin/python bench/workload_m.py --vllm ~/peers-work --max-batch-tokens 256   # the peer, same client
+
+`--vllm WORK` serves vLLM-CPU (../shared/peers/setup_vllm.sh's WORK) instead, fp32, with
+`--max-num-batched-tokens` = --max-batch-tokens, through ../shared/peers/vllm_serve.sh.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from mixserve.bench.workload import DEFAULT_VOCAB_SIZE, RequestSpec, random_toke
 from mixserve.config import EngineConfig  # noqa: E402
 
 LONG_LEN, ALONE_REPEATS = 1500, 3
+VLLM_SERVE = Path(__file__).resolve().parents[2] / "shared" / "peers" / "vllm_serve.sh"
 
 
 def run_m(url: str, scaled: bool, seed: int) -> dict:
@@ -80,6 +85,7 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk)
     ap.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
     ap.add_argument("--server-args", default="", help="extra `mixserve serve` flags")
+    ap.add_argument("--vllm", metavar="WORK", help="serve vLLM-CPU from setup_vllm.sh's WORK instead (fp32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/workload_m.json")
     args = ap.parse_args()
@@ -90,7 +96,11 @@ def main() -> int:
             alone = alone_ttfts(args.url)
         else:
             port = free_port()
-            argv = server_command(DEFAULT_SERVER_CMD, port=port, chunk=args.prefill_chunk,
+            template = DEFAULT_SERVER_CMD
+            if args.vllm:  # prefill_chunk is vLLM's own choice: it chunks to what the budget leaves
+                template = (f"bash {VLLM_SERVE} {Path(args.vllm).expanduser()} {{port}} --dtype float32 "
+                            "--max-num-batched-tokens {budget}")
+            argv = server_command(template, port=port, chunk=args.prefill_chunk,
                                   budget=args.max_batch_tokens, trace=Path(tmp) / "trace.jsonl",
                                   extra_args=args.server_args)
             with ServerProcess(argv, port, Path(tmp) / "server.log") as server:
@@ -102,12 +112,16 @@ def main() -> int:
     alone_median = statistics.median(alone) if alone else float("nan")
     ratio = long_p50 / alone_median if long_p50 else float("nan")
     verdict = {
+        "server": "vllm" if args.vllm else "mixserve", "prefill_chunk": args.prefill_chunk,
+        "max_batch_tokens": args.max_batch_tokens, "server_args": args.server_args,
         "short_stalled": short.get("stalled"), "short_count": short.get("count"),
         "short_max_gap_s": short.get("max_gap_s"), "long_ttft_p50_s": long_p50,
         "alone_ttft_s": alone, "long_over_alone": ratio,
         "stall_target_met": short.get("stalled") == 0, "ttft_target_met": ratio <= 1.5,
         "health_p99_s": report["health_s"]["p99"], "health_target_met": report["health_s"]["p99"] < 0.05,
     }
+    print(f"server: {'vLLM-CPU' if args.vllm else 'mixserve'} chunk {args.prefill_chunk} budget "
+          f"{args.max_batch_tokens}")
     print(f"short stalled {short.get('stalled')} of {short.get('count')} (target 0; max gap "
           f"{short.get('max_gap_s') or 0:.2f} s); long TTFT p50 {long_p50 or float('nan'):.2f} s vs alone "
           f"{alone_median:.2f} s (median of {len(alone)}): {ratio:.2f}x (target <= 1.5x); /health p99 "
