@@ -98,6 +98,7 @@ class PackedWeight:
     plain: Tensor
     packed: Tensor
     min_rows: int  # from this many rows the packed GEMM; 2 .. min_rows-1 F.linear (see the table below)
+    few: Any = None  # few_row_linear.PanelWeight: 1 .. its max_rows rows go there instead, where packed
 
 
 # Measured on this Xeon (AVX512-BF16, AMX), 2 threads, ms per call, the minimum over interleaved calls
@@ -142,14 +143,21 @@ def mkldnn_linear_available(dtype: torch.dtype) -> str | None:
     return None
 
 
-def _pack(w: Tensor, dtype: torch.dtype) -> PackedWeight:
+def _pack(w: Tensor, dtype: torch.dtype, few_rows: bool = False) -> PackedWeight:
     # batch_size=None: a layout for any row count (one reordered copy serves decode and prefill alike).
     packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-    return PackedWeight(plain=w, packed=packed, min_rows=2 if w.numel() >= _BIG_WEIGHT else _MIN_ROWS[dtype])
+    from mixserve.model.cpu import few_row_linear
+
+    return PackedWeight(plain=w, packed=packed, min_rows=2 if w.numel() >= _BIG_WEIGHT else _MIN_ROWS[dtype],
+                        few=few_row_linear.pack(w) if few_rows else None)
 
 
 def _packed_linear(x: Tensor, w: PackedWeight, bias: Tensor | None) -> Tensor:
     rows = x.shape[0]
+    if w.few is not None and rows <= w.few.max_rows:
+        from mixserve.model.cpu import few_row_linear
+
+        return few_row_linear.linear(x, w.few, bias)
     if rows == 1:  # a GEMV: aten's own beats both GEMMs there (see the table above)
         y = torch.mv(w.plain, x[0]) if bias is None else torch.addmv(bias, w.plain, x[0])
         return y.unsqueeze(0)
@@ -183,8 +191,11 @@ def cpu_ops(dtype: torch.dtype) -> LayerOps:
                         rotary=_rotary)
     from mixserve.model.cpu import layer_ops
 
-    if pack is mkl_linear.pack:  # with the kernels built, decode-sized GEMMs take panels (few_row_linear.py)
+    # with the kernels built, decode-sized GEMMs take panels (few_row_linear.py)
+    if pack is mkl_linear.pack:
         pack = functools.partial(mkl_linear.pack, few_rows=True)
+    else:
+        pack = functools.partial(_pack, dtype=dtype, few_rows=True)
 
     def rotary(qk: Tensor, num_q_heads: int, state: Rotary) -> tuple[Tensor, Tensor]:
         cos, sin, positions = state

@@ -1,6 +1,6 @@
-"""The few-row float32 linear (mixserve/model/cpu/few_row_linear.py): equal to F.linear at every row count it
-takes, odd shapes included; the CPU ops send decode-sized GEMMs to it and bigger ones to MKL; without the
-kernel (no AVX-512) nothing is packed and MKL takes every row count."""
+"""The few-row linear (mixserve/model/cpu/few_row_linear.py): equal to F.linear at every row count it takes,
+odd shapes included, in float32 and (on CPUs with AVX512-BF16) bf16; the CPU ops send decode-sized GEMMs to
+it and bigger ones to MKL / oneDNN; without the kernel (no AVX-512) nothing is packed."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from mixserve.model.cpu import few_row_linear, mkl_linear
 
 needs_panels = pytest.mark.skipif(few_row_linear.panel_width() == 0,
                                   reason="the few-row kernel is built only for AVX-512 CPUs")
+BF16_PANELS = few_row_linear.pack(torch.ones(64, 64, dtype=torch.bfloat16)) is not None
+needs_bf16_panels = pytest.mark.skipif(not BF16_PANELS, reason="bf16 panels need AVX512-BF16")
 
 
 def _case(n: int, k: int, rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -36,12 +38,37 @@ def test_panels_equal_f_linear(n: int, k: int, rows: int) -> None:
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+@needs_bf16_panels
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 46), (130, 8)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8])
+def test_bf16_panels_within_one_bf16_rounding(n: int, k: int, rows: int) -> None:
+    w, b, x = (t.to(torch.bfloat16) for t in _case(n, k, rows, seed=rows))
+    packed = few_row_linear.pack(w)
+    assert packed is not None and packed.max_rows == few_row_linear.FEW_ROWS[torch.bfloat16]
+    got = few_row_linear.linear(x, packed, b)
+    assert got.dtype == torch.bfloat16
+    exact = F.linear(x.float(), w.float(), b.float())  # the same bf16 inputs, summed in float32
+    # products of two bf16 are exact in float32; the sums are float32's; one rounding to bf16 at the end
+    # (2^-8 relative): within 1 bf16 ulp of |y| (~1 here) and far closer on average.
+    torch.testing.assert_close(got.float(), exact, rtol=8e-3, atol=8e-3)
+    assert float((got.float() - exact).abs().mean()) < 2e-3
+
+
+def test_odd_k_in_bf16_is_left_to_onednn() -> None:
+    assert few_row_linear.pack(torch.ones(64, 45, dtype=torch.bfloat16)) is None  # vdpbf16ps takes k in pairs
+
+
 @needs_panels
-def test_cpu_ops_route_few_rows_to_the_panels_and_more_to_mkl(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu = ops.cpu_ops(torch.float32)
-    w, b, _ = _case(960, 576, 1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_ops_route_few_rows_to_the_panels_and_more_to_the_gemm(monkeypatch: pytest.MonkeyPatch,
+                                                                   dtype: torch.dtype) -> None:
+    if dtype == torch.bfloat16 and not BF16_PANELS:
+        pytest.skip("bf16 panels need AVX512-BF16")
+    cpu = ops.cpu_ops(dtype)
+    w, b, _ = (t.to(dtype) for t in _case(960, 576, 1))
     packed = cpu.pack(w)
-    assert isinstance(packed, mkl_linear.MklPacked) and packed.few is not None
+    assert isinstance(packed, mkl_linear.MklPacked if dtype == torch.float32 else ops.PackedWeight)
+    assert packed.few is not None
     seen: list[int] = []
     real = few_row_linear.linear
 
@@ -50,10 +77,13 @@ def test_cpu_ops_route_few_rows_to_the_panels_and_more_to_mkl(monkeypatch: pytes
         return real(x, pw, bias)
 
     monkeypatch.setattr(few_row_linear, "linear", spy)
-    for rows in (1, few_row_linear.FEW_ROWS, few_row_linear.FEW_ROWS + 1, 200):
-        x = torch.randn(rows, 576)
-        torch.testing.assert_close(cpu.linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    assert seen == [1, few_row_linear.FEW_ROWS]  # more rows than that run MKL's packed GEMM
+    most = few_row_linear.FEW_ROWS[dtype]
+    for rows in (1, most, most + 1, 200):
+        x = torch.randn(rows, 576).to(dtype)
+        tol = 1e-5 if dtype == torch.float32 else 8e-3
+        want = F.linear(x.float(), w.float(), b.float())
+        torch.testing.assert_close(cpu.linear(x, packed, b).float(), want, rtol=tol, atol=tol)
+    assert seen == [1, most]  # more rows than that run MKL's (oneDNN's) packed GEMM
 
 
 def test_without_the_kernel_mkl_takes_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -64,5 +94,5 @@ def test_without_the_kernel_mkl_takes_every_row_count(monkeypatch: pytest.Monkey
     torch.testing.assert_close(mkl_linear.linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-def test_only_float32_is_packed() -> None:
-    assert few_row_linear.pack(torch.ones(64, 64, dtype=torch.bfloat16)) is None
+def test_float16_is_not_packed() -> None:
+    assert few_row_linear.pack(torch.ones(64, 64, dtype=torch.float16)) is None

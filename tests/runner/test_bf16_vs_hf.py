@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mixserve.model import ops
-from mixserve.model.cpu import mkl_linear
+from mixserve.model.cpu import few_row_linear, mkl_linear
 from tests.runner.drive import Req, drive, interleaved_tables
 from tests.runner.test_tiny_vs_hf import check_mixed_against_hf
 
@@ -75,12 +75,13 @@ def test_bf16_logits_match_hf_bf16(hf_default_model) -> None:
 @pytest.mark.parametrize("path", ["mkl", "onednn"])
 def test_every_linear_packed_matches_hf_fp32(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                              path: str) -> None:
-    # fp32 runs MKL's packed GEMM from 2 rows (single rows are GEMVs); where MKL is missing, oneDNN, which
-    # runs F.linear below 4 rows (faster there): with that threshold at 2 rows every linear of more than one
-    # row goes through it. Either way the model still equals HF.
+    # fp32 runs the few-row panels up to 32 rows (decodes) and MKL's packed GEMM above (mixed steps); where
+    # MKL is missing, oneDNN, which runs F.linear below 4 rows (faster there): with the panels off and that
+    # threshold at 2 rows every linear of more than one row goes through it. Either way the model equals HF.
     calls: list[int] = []
     if path == "onednn":
         monkeypatch.setattr(mkl_linear, "unavailable", lambda: "off for this test")
+        monkeypatch.setattr(few_row_linear, "panel_width", lambda: 0)  # every row count through oneDNN itself
         monkeypatch.setitem(ops._MIN_ROWS, torch.float32, 2)
         real = torch.ops.mkldnn._linear_pointwise
 

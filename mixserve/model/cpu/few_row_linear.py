@@ -1,16 +1,21 @@
-"""float32 linears of few rows (decode steps) as one C++ call on weights laid out once in column panels.
+"""Linears of few rows (decode steps) as one C++ call on weights laid out once in column panels.
 
 A decode step's GEMMs have 1..32 rows: there MKL's packed GEMM reads each weight from memory and then
-computes, one after the other (~150 GFLOP/s and ~10 GB/s at 32 rows, where the machine has twice each).
-csrc/few_row_linear.cpp streams the weight in order and prefetches the next panel while it computes this one.
-Measured here (2-core Xeon, AVX-512; 30 layers of the default model's four weights cycled so each comes from
-memory, ms per 120 calls, MKL -> panels, /tmp A/B in one process, best of 5 each):
-    rows 1: 22.2 -> 19.0 (torch.mv -> panels)   4: 27.3 -> 20.7   8: 30.4 -> 22.7   16: 36.5 -> 31.6
-    rows 32: 54.0 -> 44.7   64: 66.5 -> 69.1 (MKL from here on)
-MKL's packed GEMM keeps every row count above FEW_ROWS (prefill chunks: there it runs near the FMA peak).
-The panels are a second copy of each linear weight (the default model in float32: +0.54 GB resident); the
-decision is the runner's, once, through `ops.cpu_ops`: the panels exist only where the kernels built with
-AVX-512 (elsewhere `panel_width()` is 0 and nothing is packed).
+computes, one after the other (~150 GFLOP/s and ~10 GB/s at 32 rows, where the machine has twice each), and
+so does oneDNN's in bf16. csrc/few_row_linear.cpp streams the weight in order and prefetches the next panel
+while it computes this one. Measured here (2-core Xeon, AVX-512, AVX512-BF16, AMX; 30 layers of the default
+model's four weights cycled so each comes from memory, ms per 120 calls, best of 5, the two alternated:
+bench/few_row_gemm.py [--dtype bfloat16]):
+    float32, MKL (torch.mv at 1 row) -> panels:
+        rows 1: 28.3 -> 26.1   4: 34.7 -> 27.5   8: 38.8 -> 31.5   16: 46.1 -> 36.2   32: 57.9 -> 47.6
+        (48: 68.6, 64: 82.6 in MKL, as fast as panels there)
+    bfloat16, oneDNN (torch.mv at 1 row) -> panels (vdpbf16ps):
+        rows 1: 28.6 -> 15.5   2: 28.9 -> 16.1   4: 26.1 -> 18.5   8: 27.0 -> 21.8
+        16: 26.2 -> 33.1 (AMX tiles win from here)
+So FEW_ROWS per dtype; above it MKL / oneDNN keep every row count (prefill chunks: near the machine's peak).
+The panels are a second copy of each linear weight (the default model: +0.54 GB resident in float32, +0.27
+in bf16); the decision is the runner's, once, through `ops.cpu_ops`: panels exist only where the kernels
+built with AVX-512 (elsewhere `panel_width()` is 0 and nothing is packed), bf16 ones only with AVX512-BF16.
 """
 
 from __future__ import annotations
@@ -22,17 +27,22 @@ import torch
 from torch import Tensor
 
 from mixserve.model.cpu.build import KernelBuildError, load_library
+from mixserve.model.cpu.layer_ops import DTYPE_CODE
 
-FEW_ROWS = 32  # up to this many rows through the panels (see the table above)
+# Up to this many rows through the panels (the tables above): from 16 rows oneDNN's bf16 GEMM (AMX tiles
+# where the CPU has them) is faster, and fp32 MKL from ~48.
+FEW_ROWS = {torch.float32: 32, torch.bfloat16: 8}
 
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """A float32 (n, k) weight as column panels of `panel_width()` columns, k-major within a panel."""
+    """An (n, k) weight as column panels of `panel_width()` columns, k-major within a panel (bf16: pairs of k
+    side by side, as vdpbf16ps reads them)."""
 
     panels: Tensor
     n: int
     k: int
+    max_rows: int  # FEW_ROWS of its dtype: the linears send 1..max_rows rows here
 
 
 @functools.cache
@@ -45,27 +55,29 @@ def panel_width() -> int:
 
 
 def pack(w: Tensor) -> PanelWeight | None:
-    """The panel layout of a float32 weight, or None where the kernel is missing (the caller keeps MKL's)."""
-    width = panel_width()
-    if width == 0 or w.dtype != torch.float32:
+    """The panel layout of a float32 or bfloat16 weight, or None where the kernel cannot take it (no AVX-512;
+    bf16 without AVX512-BF16 or with an odd k): the caller keeps MKL's or oneDNN's linear."""
+    width, code = panel_width(), DTYPE_CODE.get(w.dtype)
+    if width == 0 or code is None:
         return None
     w = w.detach().contiguous()
     n, k = w.shape
-    panels = torch.empty(-(-n // width) * k * width, dtype=torch.float32)
-    if load_library().mixserve_few_row_pack(0, w.data_ptr(), n, k, panels.data_ptr()) != 0:
+    panels = torch.empty(-(-n // width) * k * width, dtype=w.dtype)
+    if load_library().mixserve_few_row_pack(code, w.data_ptr(), n, k, panels.data_ptr()) != 0:
         return None
-    return PanelWeight(panels, n, k)
+    return PanelWeight(panels, n, k, FEW_ROWS[w.dtype])
 
 
 def linear(x: Tensor, w: PanelWeight, bias: Tensor | None) -> Tensor:
-    """x (m, k) float32, rows contiguous (a row stride of at least k is fine) -> x @ w.T + bias."""
+    """x (m, k) in the weight's dtype, rows contiguous (a row stride of at least k is fine) -> x @ w.T + bias
+    (bf16: products and sums in float32, rounded once to bf16)."""
     if x.stride(1) != 1 or x.stride(0) < w.k:
         x = x.contiguous()
     m = x.shape[0]
-    out = torch.empty((m, w.n), dtype=torch.float32)
+    out = torch.empty((m, w.n), dtype=w.panels.dtype)
     bias = None if bias is None else bias.contiguous()  # held here while the kernel reads it
     rc = load_library().mixserve_few_row_linear(
-        0, x.data_ptr(), x.stride(0), m, w.panels.data_ptr(), w.n, w.k,
+        DTYPE_CODE[w.panels.dtype], x.data_ptr(), x.stride(0), m, w.panels.data_ptr(), w.n, w.k,
         None if bias is None else bias.data_ptr(), out.data_ptr(), w.n, torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"the few-row linear kernel cannot take these inputs (code {rc})")

@@ -56,7 +56,7 @@ def _cblas() -> ctypes.CDLL:
 
 
 def pack(w: Tensor, few_rows: bool = False) -> MklPacked:
-    """MKL's packing of w; with `few_rows`, also the panels that take 1..FEW_ROWS rows (where they build)."""
+    """MKL's packing of w; with `few_rows`, also the panels that take few rows (where they build)."""
     w = w.detach().contiguous()
     n, k = w.shape
     lib = _cblas()
@@ -72,7 +72,7 @@ def linear(x: Tensor, w: MklPacked, bias: Tensor | None) -> Tensor:
     """x (m, k) float32 -> x @ w.T + bias: few rows through the panels where `w` has them; else one row is a
     GEMV on the plain weight (aten's mv beats MKL's GEMM there) and more rows MKL's packed GEMM."""
     m = x.shape[0]
-    if w.few is not None and m <= few_row_linear.FEW_ROWS:
+    if w.few is not None and m <= w.few.max_rows:
         return few_row_linear.linear(x, w.few, bias)
     if m == 1:
         y = torch.mv(w.plain, x[0]) if bias is None else torch.addmv(bias, w.plain, x[0])

@@ -1,15 +1,19 @@
-// float32 out = x @ w.T + bias for few rows (a decode step's 1..32), on a weight laid out once in column panels.
+// out = x @ w.T + bias for few rows (a decode step's 1..32), on a weight laid out once in column panels;
+// float32, and bfloat16 where the CPU has AVX512-BF16 (products in bf16 pairs, sums in float32, as oneDNN).
 //
-// Few rows make a GEMM neither compute- nor bandwidth-bound: MKL's packed GEMM streams each weight from memory
-// and then computes on it, one after the other, and reaches ~10 GB/s and ~150 GFLOP/s at 32 rows where the
-// machine has twice each. Here a thread walks its own contiguous run of panels (64 output columns x all of K,
-// k-major: the weight is read once, in order) and, while it computes a panel, prefetches the next one into L2,
-// spread over the panel's row passes so the memory stream and the FMAs overlap. The microkernel holds 6 rows x
-// 64 columns of sums in 24 AVX-512 registers; each k loads 4 weight vectors and broadcasts 6 inputs.
+// Few rows make a GEMM neither compute- nor bandwidth-bound: MKL's packed GEMM (and oneDNN's in bf16) streams
+// each weight from memory and then computes on it, one after the other, and reaches ~10 GB/s and ~150 GFLOP/s
+// at 32 rows where the machine has twice each. Here a thread walks its own contiguous run of panels (64 output
+// columns x all of K, k-major: the weight is read once, in order) and, while it computes a panel, prefetches
+// the next one into L2, spread over the panel's row passes so the memory stream and the FMAs overlap. The
+// microkernel holds 6 rows x 64 columns of float32 sums in 24 AVX-512 registers; each k step loads 4 weight
+// vectors and broadcasts 6 inputs (bf16: each step is a pair of k, one vdpbf16ps per vector).
+//
 // Built only where the compiler targets AVX-512 (-march=native on such a CPU); elsewhere the entry points
-// report a panel width of 0 and the linears stay MKL's.
+// report a panel width of 0 and the linears stay MKL's / oneDNN's.
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
 
 #include <algorithm>
 
@@ -18,9 +22,11 @@
 
 namespace {
 
-constexpr int VECS = 4;              // 16-float vectors per panel row
-constexpr int PANEL = 16 * VECS;     // output columns per panel
-constexpr int MAX_ROWS = 6;          // rows per microkernel pass (24 sums + 4 weights + 1 input: 29 registers)
+constexpr int VECS = 4;           // 16-lane vectors per panel row
+constexpr int PANEL = 16 * VECS;  // output columns per panel
+constexpr int MAX_ROWS = 6;       // rows per microkernel pass (24 sums + 4 weights + 1 input: 29 registers)
+// A panel row (one k in float32, one pair of k in bf16) is PANEL x 4 bytes either way: 4 cache lines.
+constexpr int ROW_BYTES = PANEL * 4;
 
 __mmask16 lanes(int64_t valid, int v) {
     const int64_t left = valid - 16 * v;
@@ -28,19 +34,28 @@ __mmask16 lanes(int64_t valid, int v) {
                       : left <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << left) - 1);
 }
 
-// `rows` rows of x against one panel; prefetches k-rows [pf_begin, pf_begin + k / pf_step) of the next panel.
+// Where a pass prefetches: k-rows [begin, begin + steps) of the next panel, one every `every` k-rows.
+struct Ahead {
+    const char* next;
+    int64_t begin, every;
+};
+
+inline void prefetch_row(const char* row) {
+    for (int b = 0; b < ROW_BYTES; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+}
+
 template <int ROWS>
-void panel_pass(const float* x, int64_t ldx, const float* panel, int64_t k, const float* bias, float* out,
-                int64_t ldo, int64_t valid, const float* next, int64_t pf_begin, int64_t pf_step) {
+void pass_f32(const float* x, int64_t ldx, const float* panel, int64_t k, const float* bias, float* out,
+              int64_t ldo, int64_t valid, Ahead ahead) {
     __m512 acc[ROWS][VECS];
     for (int v = 0; v < VECS; ++v) {
         const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes(valid, v), bias + 16 * v) : _mm512_setzero_ps();
         for (int r = 0; r < ROWS; ++r) acc[r][v] = b;
     }
-    const float* ahead = next + pf_begin * PANEL;
-    for (int64_t k0 = 0; k0 < k; k0 += pf_step, ahead += PANEL) {
-        for (int c = 0; c < PANEL; c += 16) _mm_prefetch(reinterpret_cast<const char*>(ahead + c), _MM_HINT_T1);
-        const int64_t k1 = std::min(k, k0 + pf_step);
+    const char* pf = ahead.next + ahead.begin * ROW_BYTES;
+    for (int64_t k0 = 0; k0 < k; k0 += ahead.every, pf += ROW_BYTES) {
+        prefetch_row(pf);
+        const int64_t k1 = std::min(k, k0 + ahead.every);
         for (int64_t kk = k0; kk < k1; ++kk) {
             __m512 w[VECS];
             for (int v = 0; v < VECS; ++v) w[v] = _mm512_loadu_ps(panel + kk * PANEL + 16 * v);
@@ -54,12 +69,79 @@ void panel_pass(const float* x, int64_t ldx, const float* panel, int64_t k, cons
         for (int v = 0; v < VECS; ++v) _mm512_mask_storeu_ps(out + r * ldo + 16 * v, lanes(valid, v), acc[r][v]);
 }
 
-using Pass = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t,
-                      const float*, int64_t, int64_t);
-const Pass PASSES[MAX_ROWS + 1] = {nullptr,           panel_pass<1>, panel_pass<2>, panel_pass<3>,
-                                   panel_pass<4>,     panel_pass<5>, panel_pass<6>};
+#ifdef __AVX512BF16__
+inline __m512 widen_bf16(__mmask16 m, const uint16_t* p) {  // 16 bf16 -> float32 (exact)
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+
+// kp = k / 2 pair-rows; panel[(kk * PANEL + c) * 2 + e] = w[col c, 2 kk + e].
+template <int ROWS>
+void pass_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t kp, const uint16_t* bias,
+               uint16_t* out, int64_t ldo, int64_t valid, Ahead ahead) {
+    __m512 acc[ROWS][VECS];
+    for (int v = 0; v < VECS; ++v) {
+        const __m512 b = bias ? widen_bf16(lanes(valid, v), bias + 16 * v) : _mm512_setzero_ps();
+        for (int r = 0; r < ROWS; ++r) acc[r][v] = b;
+    }
+    const char* pf = ahead.next + ahead.begin * ROW_BYTES;
+    for (int64_t k0 = 0; k0 < kp; k0 += ahead.every, pf += ROW_BYTES) {
+        prefetch_row(pf);
+        const int64_t k1 = std::min(kp, k0 + ahead.every);
+        for (int64_t kk = k0; kk < k1; ++kk) {
+            __m512bh w[VECS];
+            for (int v = 0; v < VECS; ++v)
+                w[v] = (__m512bh)_mm512_loadu_si512(panel + (kk * PANEL + 16 * v) * 2);
+            for (int r = 0; r < ROWS; ++r) {
+                int32_t pair;  // x[r, 2kk] and x[r, 2kk + 1], to every lane
+                memcpy(&pair, x + r * ldx + 2 * kk, sizeof pair);
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+                for (int v = 0; v < VECS; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb, w[v]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; ++r)
+        for (int v = 0; v < VECS; ++v)  // round to nearest even, as torch rounds a float32 result to bf16
+            _mm256_mask_storeu_epi16(out + r * ldo + 16 * v, lanes(valid, v),
+                                     (__m256i)_mm512_cvtneps_pbh(acc[r][v]));
+}
+#endif  // __AVX512BF16__
+
+// Every panel of the weight, split in contiguous runs across threads; `depth` k-rows per panel (k in float32,
+// k / 2 in bf16); Pass(rows) is the microkernel for that many rows.
+template <typename T, typename PassFn>
+void run_panels(const T* x, int64_t ldx, int64_t m, const T* panels, int64_t n, int64_t depth, const T* bias,
+                T* out, int64_t ldo, int num_threads, PassFn pass) {
+    const int64_t count = (n + PANEL - 1) / PANEL, stride = depth * ROW_BYTES / sizeof(T);
+    const int64_t passes = (m + MAX_ROWS - 1) / MAX_ROWS;
+#pragma omp parallel num_threads(num_threads) if (count >= 2 * num_threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t first = count * t / nt, last = count * (t + 1) / nt;  // contiguous: one stream a thread
+        for (int64_t p = first; p < last; ++p) {
+            const T* panel = panels + p * stride;
+            const char* next = reinterpret_cast<const char*>(p + 1 < last ? panel + stride : panel);
+            const int64_t valid = std::min<int64_t>(PANEL, n - p * PANEL);
+            for (int64_t j = 0, r0 = 0; r0 < m; r0 += MAX_ROWS, ++j) {
+                const int rows = static_cast<int>(std::min<int64_t>(MAX_ROWS, m - r0));
+                pass(rows, x + r0 * ldx, ldx, panel, depth, bias ? bias + p * PANEL : nullptr,
+                     out + r0 * ldo + p * PANEL, ldo, valid, Ahead{next, j * depth / passes, passes});
+            }
+        }
+    }
+}
 
 }  // namespace
+
+#define MIXSERVE_ROWS_SWITCH(FN, ...)                  \
+    switch (rows) {                                     \
+        case 1: return FN<1>(__VA_ARGS__);              \
+        case 2: return FN<2>(__VA_ARGS__);              \
+        case 3: return FN<3>(__VA_ARGS__);              \
+        case 4: return FN<4>(__VA_ARGS__);              \
+        case 5: return FN<5>(__VA_ARGS__);              \
+        default: return FN<6>(__VA_ARGS__);             \
+    }
 #endif  // __AVX512F__
 
 extern "C" {
@@ -68,47 +150,69 @@ extern "C" {
 
 int mixserve_few_row_panel_width() { return PANEL; }
 
-// w (n, k) row-major -> panels[(p * k + kk) * PANEL + c] = w[p * PANEL + c, kk], zero past column n.
-int mixserve_few_row_pack(int dtype, const float* w, int64_t n, int64_t k, float* panels) {
-    if (dtype != 0) return 1;  // float32 only: bf16 decode GEMMs are oneDNN's
+// w (n, k) row-major -> float32 panels[(p * k + kk) * PANEL + c] = w[p * PANEL + c, kk]; bf16 (k even)
+// panels[((p * k/2 + kk) * PANEL + c) * 2 + e] = w[p * PANEL + c, 2 kk + e]; zero past column n.
+int mixserve_few_row_pack(int dtype, const void* w, int64_t n, int64_t k, void* panels) {
     const int64_t count = (n + PANEL - 1) / PANEL;
-    for (int64_t p = 0; p < count; ++p)
-        for (int64_t kk = 0; kk < k; ++kk)
-            for (int64_t c = 0; c < PANEL; ++c) {
-                const int64_t col = p * PANEL + c;
-                panels[(p * k + kk) * PANEL + c] = col < n ? w[col * k + kk] : 0.f;
-            }
-    return 0;
+    if (dtype == 0) {
+        const float* src = static_cast<const float*>(w);
+        float* dst = static_cast<float*>(panels);
+        for (int64_t p = 0; p < count; ++p)
+            for (int64_t kk = 0; kk < k; ++kk)
+                for (int64_t c = 0; c < PANEL; ++c) {
+                    const int64_t col = p * PANEL + c;
+                    dst[(p * k + kk) * PANEL + c] = col < n ? src[col * k + kk] : 0.f;
+                }
+        return 0;
+    }
+#ifdef __AVX512BF16__
+    if (dtype == 1 && k % 2 == 0) {
+        const uint16_t* src = static_cast<const uint16_t*>(w);
+        uint16_t* dst = static_cast<uint16_t*>(panels);
+        const int64_t kp = k / 2;
+        for (int64_t p = 0; p < count; ++p)
+            for (int64_t kk = 0; kk < kp; ++kk)
+                for (int64_t c = 0; c < PANEL; ++c)
+                    for (int64_t e = 0; e < 2; ++e) {
+                        const int64_t col = p * PANEL + c;
+                        dst[((p * kp + kk) * PANEL + c) * 2 + e] = col < n ? src[col * k + 2 * kk + e] : 0;
+                    }
+        return 0;
+    }
+#endif
+    return 1;  // bf16 without AVX512-BF16, or an odd k: the caller keeps oneDNN's linear
 }
 
-int mixserve_few_row_linear(int dtype, const float* x, int64_t ldx, int64_t m, const float* panels, int64_t n,
-                            int64_t k, const float* bias, float* out, int64_t ldo, int num_threads) {
-    if (dtype != 0) return 1;
-    const int64_t count = (n + PANEL - 1) / PANEL;
-    const int64_t passes = (m + MAX_ROWS - 1) / MAX_ROWS;
-#pragma omp parallel num_threads(num_threads) if (count >= 2 * num_threads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t first = count * t / nt, last = count * (t + 1) / nt;  // contiguous: one stream a thread
-        for (int64_t p = first; p < last; ++p) {
-            const float* panel = panels + p * k * PANEL;
-            const float* next = p + 1 < last ? panel + k * PANEL : panel;
-            const int64_t valid = std::min<int64_t>(PANEL, n - p * PANEL);
-            for (int64_t j = 0, r0 = 0; r0 < m; r0 += MAX_ROWS, ++j) {
-                const int rows = static_cast<int>(std::min<int64_t>(MAX_ROWS, m - r0));
-                PASSES[rows](x + r0 * ldx, ldx, panel, k, bias ? bias + p * PANEL : nullptr, out + r0 * ldo + p * PANEL,
-                             ldo, valid, next, j * k / passes, passes);
-            }
-        }
+int mixserve_few_row_linear(int dtype, const void* x, int64_t ldx, int64_t m, const void* panels, int64_t n,
+                            int64_t k, const void* bias, void* out, int64_t ldo, int num_threads) {
+    if (dtype == 0) {
+        auto pass = [](int rows, const float* a, int64_t lda, const float* pw, int64_t depth, const float* b,
+                       float* o, int64_t ldo_, int64_t valid, Ahead ahead) {
+            MIXSERVE_ROWS_SWITCH(pass_f32, a, lda, pw, depth, b, o, ldo_, valid, ahead)
+        };
+        run_panels(static_cast<const float*>(x), ldx, m, static_cast<const float*>(panels), n, k,
+                   static_cast<const float*>(bias), static_cast<float*>(out), ldo, num_threads, pass);
+        return 0;
     }
-    return 0;
+#ifdef __AVX512BF16__
+    if (dtype == 1 && k % 2 == 0) {
+        auto pass = [](int rows, const uint16_t* a, int64_t lda, const uint16_t* pw, int64_t depth,
+                       const uint16_t* b, uint16_t* o, int64_t ldo_, int64_t valid, Ahead ahead) {
+            MIXSERVE_ROWS_SWITCH(pass_bf16, a, lda, pw, depth, b, o, ldo_, valid, ahead)
+        };
+        run_panels(static_cast<const uint16_t*>(x), ldx, m, static_cast<const uint16_t*>(panels), n, k / 2,
+                   static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), ldo, num_threads, pass);
+        return 0;
+    }
+#endif
+    return 1;
 }
 
 #else  // no AVX-512: nothing is packed, nothing is called (mixserve/model/cpu/few_row_linear.py)
 int mixserve_few_row_panel_width() { return 0; }
-int mixserve_few_row_pack(int, const float*, int64_t, int64_t, float*) { return 2; }
-int mixserve_few_row_linear(int, const float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*,
-                            float*, int64_t, int) {
+int mixserve_few_row_pack(int, const void*, int64_t, int64_t, void*) { return 2; }
+int mixserve_few_row_linear(int, const void*, int64_t, int64_t, const void*, int64_t, int64_t, const void*, void*,
+                            int64_t, int) {
     return 2;
 }
 #endif
