@@ -8,6 +8,8 @@ vLLM venv made by ../shared/peers/setup_vllm.sh; its WORK folder is the venv's p
 `--vllm-work` says). Prints the floors (bench/floors.py) first, then one table with output tok/s, the
 ratios and the issue's targets, and how many of the requests' greedy tokens equal HF's; writes the whole
 as JSON (`--out`, bench/results/offline.json by default). `make bench-offline`.
+`--rounds N` runs the whole plan N times in turn (this machine's speed moves 1.5-2x over minutes): the table
+is each system's median run, and each round's ratios are printed below it.
 
 Targets (issue "CPU fast path"): mixserve fp32 >= 3.0x HF fp32; on a CPU with AVX512-BF16 or AMX,
 mixserve bf16 >= 1.8x mixserve fp32 (on AVX2-only CPUs bf16 has no native dot product: reported only).
@@ -38,7 +40,8 @@ PEERS = HERE.parents[1] / "shared" / "peers"
 TARGET_FP32_VS_HF, TARGET_BF16_VS_FP32 = 3.0, 1.8
 
 
-OWN_FLAGS = {"--vllm": 1, "--vllm-work": 1, "--timeout": 1, "--out": 1, "--skip-hf": 0, "--skip-bf16": 0}
+OWN_FLAGS = {"--vllm": 1, "--vllm-work": 1, "--timeout": 1, "--out": 1, "--skip-hf": 0, "--skip-bf16": 0,
+             "--rounds": 1}
 
 
 def child_argv(argv: list[str]) -> list[str]:
@@ -107,6 +110,15 @@ def table(rows: list[dict[str, Any]], fast_bf16: bool) -> tuple[list[str], dict[
     return lines, ratios
 
 
+def median_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (system, dtype), in first-seen order: its median run by wall time (of an even count, the
+    slower middle one)."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["system"], r["dtype"]), []).append(r)
+    return [dict(sorted(g, key=lambda r: r["wall_s"])[len(g) // 2], runs=len(g)) for g in groups.values()]
+
+
 def same_tokens(rows: list[dict[str, Any]], dtype: str) -> int | None:
     """Requests whose greedy tokens (mixserve at dtype) equal HF fp32's exactly."""
     ours = next((r["tokens"] for r in rows if (r["system"], r["dtype"]) == ("mixserve", dtype)), None)
@@ -127,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=NUM_REQUESTS, help="the first N requests of W")
     parser.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per system at most")
+    parser.add_argument("--rounds", type=int, default=1, help="run every system this many times, in turn")
     parser.add_argument("--out", default=str(HERE / "results" / "offline.json"))
     args = parser.parse_args(argv)
     cfg = engine_config(args, "offline")
@@ -148,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     plan += [] if args.skip_bf16 else [("mixserve", "bfloat16")]
     plan += [] if args.skip_hf else [("hf", "float32")]
     plan += [("vllm", d) for d in ("float32", "bfloat16")] if args.vllm else []
+    plan = plan * max(1, args.rounds)
     rows: list[dict[str, Any]] = []
     for i, (system, dtype) in enumerate(plan, 1):
         print(f"[{i}/{len(plan)}] {system} {dtype} ...", flush=True)
@@ -158,12 +172,19 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run_vllm(args.vllm, work, dtype, args.timeout))
             else:
                 rows.append(run_ours(system, dtype, argv, args.timeout))
+            rows[-1]["round"] = (i - 1) * args.rounds // len(plan) + 1 if args.rounds > 1 else 1
         except (subprocess.SubprocessError, OSError, ValueError, IndexError) as e:
             print(f"[{i}/{len(plan)}] {system} {dtype} failed: {e}", file=sys.stderr)
             continue
         print(f"[{i}/{len(plan)}] {system} {dtype}: {rows[-1]['output_tokens'] / rows[-1]['wall_s']:.1f} "
               f"output tok/s ({time.perf_counter() - start:.0f} s with loading)", flush=True)
-    lines, ratios = table(rows, fast_bf16)
+    lines, ratios = table(median_runs(rows), fast_bf16)
+    if args.rounds > 1:
+        ratios["rounds"] = []
+        for k in range(1, args.rounds + 1):
+            _, each = table([dict(r) for r in rows if r["round"] == k], fast_bf16)
+            ratios["rounds"].append(each)
+            lines.append(f"round {k}: " + ", ".join(f"{name} {v:.2f}" for name, v in each.items() if v))
     for dtype in ("float32", "bfloat16"):
         same = same_tokens(rows, dtype)
         if same is not None:

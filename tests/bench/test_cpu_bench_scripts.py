@@ -53,8 +53,19 @@ def test_cpu_flags_name_every_flag_the_benches_depend_on() -> None:
 
 def test_offline_passes_only_engine_and_workload_flags_to_its_children() -> None:
     argv = ["--threads", "2", "--vllm", "/v/bin/python", "--out=/tmp/x.json", "--skip-hf",
-            "--num-requests", "4", "--vllm-work", "/w", "--timeout", "9", "--prefill-chunk=64", "--skip-bf16"]
+            "--num-requests", "4", "--vllm-work", "/w", "--timeout", "9", "--prefill-chunk=64", "--skip-bf16",
+            "--rounds", "3"]
     assert offline.child_argv(argv) == ["--threads", "2", "--num-requests", "4", "--prefill-chunk=64"]
+
+
+def test_offline_rounds_report_each_systems_median_run() -> None:
+    rows = [{"system": s, "dtype": "float32", "wall_s": w, "round": k}
+            for k, (a, b) in enumerate([(10.0, 30.0), (14.0, 33.0), (12.0, 31.0)], 1)
+            for s, w in (("mixserve", a), ("hf", b))]
+    mid = offline.median_runs(rows)
+    assert [(r["system"], r["wall_s"], r["round"], r["runs"]) for r in mid] == [
+        ("mixserve", 12.0, 3, 3), ("hf", 31.0, 3, 3)]
+    assert offline.median_runs(rows[:4])[0]["wall_s"] == 14.0  # of two runs, the slower
 
 
 def test_serve_overhead_server_gets_no_workload_flags() -> None:
