@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"[{i}/{len(plan)}] {system} {dtype}: {rows[-1]['output_tokens'] / rows[-1]['wall_s']:.1f} "
               f"output tok/s ({time.perf_counter() - start:.0f} s with loading)", flush=True)
+    for r in rows:  # every run's rate in the JSON, not only the median runs'
+        r["output_tok_per_s"] = r["output_tokens"] / r["wall_s"]
     lines, ratios = table(median_runs(rows), fast_bf16)
     if args.rounds > 1:
         ratios["rounds"] = []
