@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from mixserve.model import ops
 from mixserve.model.cpu import mkl_linear
+from tests.model.bf16_check import assert_bf16_linear_close
 
 ROWS = (1, 3, 4, 17, 64, 300)  # 1 and 3: below fp32's F.linear threshold; the rest packed
 
@@ -64,13 +65,9 @@ def test_packed_linear_bf16_within_bf16_rounding(rows: int) -> None:
     packed = cpu.pack(w)
     assert packed.min_rows == 2  # bf16: packed from 2 rows (1 row is a GEMV)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
-    got = cpu.linear(x, packed, b)
-    assert got.dtype == torch.bfloat16
-    exact = F.linear(x.float(), w.float(), b.float())  # the same bf16 inputs, summed in fp32
     # fp32 accumulation, then one rounding of the output to bf16 (2^-8 relative) and of the bias add:
     # a few bf16 ulps of the output's scale (|y| ~ 1 here).
-    torch.testing.assert_close(got.float(), exact, rtol=1.6e-2, atol=1.6e-2)
-    assert float((got.float() - exact).abs().mean()) < 4e-3
+    assert_bf16_linear_close(cpu.linear(x, packed, b), x, w, b, tol=1.6e-2, mean_tol=4e-3)
 
 
 def test_the_lm_head_is_packed_from_two_rows() -> None:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from mixserve.model import ops
 from mixserve.model.cpu import few_row_linear, mkl_linear
+from tests.model.bf16_check import assert_bf16_linear_close
 
 needs_panels = pytest.mark.skipif(few_row_linear.panel_width() == 0,
                                   reason="the few-row kernel is built only for AVX-512 CPUs")
@@ -45,13 +46,9 @@ def test_bf16_panels_within_one_bf16_rounding(n: int, k: int, rows: int) -> None
     w, b, x = (t.to(torch.bfloat16) for t in _case(n, k, rows, seed=rows))
     packed = few_row_linear.pack(w)
     assert packed is not None and packed.max_rows == few_row_linear.FEW_ROWS[torch.bfloat16]
-    got = few_row_linear.linear(x, packed, b)
-    assert got.dtype == torch.bfloat16
-    exact = F.linear(x.float(), w.float(), b.float())  # the same bf16 inputs, summed in float32
     # products of two bf16 are exact in float32; the sums are float32's; one rounding to bf16 at the end
     # (2^-8 relative): within 1 bf16 ulp of |y| (~1 here) and far closer on average.
-    torch.testing.assert_close(got.float(), exact, rtol=8e-3, atol=8e-3)
-    assert float((got.float() - exact).abs().mean()) < 2e-3
+    assert_bf16_linear_close(few_row_linear.linear(x, packed, b), x, w, b, tol=8e-3, mean_tol=2e-3)
 
 
 def test_odd_k_in_bf16_is_left_to_onednn() -> None:

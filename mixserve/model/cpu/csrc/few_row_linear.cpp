@@ -2,12 +2,12 @@
 // float32, and bfloat16 where the CPU has AVX512-BF16 (products in bf16 pairs, sums in float32, as oneDNN).
 //
 // Few rows make a GEMM neither compute- nor bandwidth-bound: MKL's packed GEMM (and oneDNN's in bf16) streams
-// each weight from memory and then computes on it, one after the other, and reaches ~10 GB/s and ~150 GFLOP/s
-// at 32 rows where the machine has twice each. Here a thread walks its own contiguous run of panels (64 output
-// columns x all of K, k-major: the weight is read once, in order) and, while it computes a panel, prefetches
-// the next one into L2, spread over the panel's row passes so the memory stream and the FMAs overlap. The
-// microkernel holds 6 rows x 64 columns of float32 sums in 24 AVX-512 registers; each k step loads 4 weight
-// vectors and broadcasts 6 inputs (bf16: each step is a pair of k, one vdpbf16ps per vector).
+// each weight from memory and then computes on it, one after the other, and reaches ~10 GB/s and ~150
+// GFLOP/s at 32 rows where the machine has twice each. Here a thread walks its own contiguous run of panels
+// (64 output columns x all of K, k-major: the weight is read once, in order) and, while it computes a panel,
+// prefetches the next one into L2, spread over the panel's row passes so the memory stream and the FMAs
+// overlap. The microkernel holds 6 rows x 64 columns of float32 sums in 24 AVX-512 registers; each k step
+// loads 4 weight vectors and broadcasts 6 inputs (bf16: each step is a pair of k, one vdpbf16ps per vector).
 //
 // Built only where the compiler targets AVX-512 (-march=native on such a CPU); elsewhere the entry points
 // report a panel width of 0 and the linears stay MKL's / oneDNN's.
@@ -44,74 +44,94 @@ inline void prefetch_row(const char* row) {
     for (int b = 0; b < ROW_BYTES; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
 }
 
-template <int ROWS>
-void pass_f32(const float* x, int64_t ldx, const float* panel, int64_t k, const float* bias, float* out,
-              int64_t ldo, int64_t valid, Ahead ahead) {
-    __m512 acc[ROWS][VECS];
-    for (int v = 0; v < VECS; ++v) {
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes(valid, v), bias + 16 * v) : _mm512_setzero_ps();
-        for (int r = 0; r < ROWS; ++r) acc[r][v] = b;
+// What a pass does per dtype: the bias as float32 sums, one k step's weight vectors and input broadcast, the
+// multiply-add into float32 sums, and the store of a row's sums.
+struct F32 {
+    using T = float;
+    using W = __m512;
+    static __m512 bias(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+    static W weight(const float* panel, int64_t kk, int v) {
+        return _mm512_loadu_ps(panel + kk * PANEL + 16 * v);
     }
-    const char* pf = ahead.next + ahead.begin * ROW_BYTES;
-    for (int64_t k0 = 0; k0 < k; k0 += ahead.every, pf += ROW_BYTES) {
-        prefetch_row(pf);
-        const int64_t k1 = std::min(k, k0 + ahead.every);
-        for (int64_t kk = k0; kk < k1; ++kk) {
-            __m512 w[VECS];
-            for (int v = 0; v < VECS; ++v) w[v] = _mm512_loadu_ps(panel + kk * PANEL + 16 * v);
-            for (int r = 0; r < ROWS; ++r) {
-                const __m512 xb = _mm512_set1_ps(x[r * ldx + kk]);
-                for (int v = 0; v < VECS; ++v) acc[r][v] = _mm512_fmadd_ps(xb, w[v], acc[r][v]);
-            }
-        }
-    }
-    for (int r = 0; r < ROWS; ++r)
-        for (int v = 0; v < VECS; ++v) _mm512_mask_storeu_ps(out + r * ldo + 16 * v, lanes(valid, v), acc[r][v]);
-}
+    static W input(const float* x, int64_t kk) { return _mm512_set1_ps(x[kk]); }
+    static __m512 madd(__m512 acc, W x, W w) { return _mm512_fmadd_ps(x, w, acc); }
+    static void store(float* p, __mmask16 m, __m512 acc) { _mm512_mask_storeu_ps(p, m, acc); }
+};
 
 #ifdef __AVX512BF16__
-inline __m512 widen_bf16(__mmask16 m, const uint16_t* p) {  // 16 bf16 -> float32 (exact)
-    const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-}
+// One k step is a pair of k: panel[(kk * PANEL + c) * 2 + e] = w[col c, 2 kk + e]; vdpbf16ps multiplies the
+// pairs (exactly, in float32) and adds both to the sums.
+struct BF16 {
+    using T = uint16_t;
+    using W = __m512bh;
+    static __m512 bias(__mmask16 m, const uint16_t* p) {  // 16 bf16 -> float32 (exact)
+        const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+    }
+    static W weight(const uint16_t* panel, int64_t kk, int v) {
+        return (__m512bh)_mm512_loadu_si512(panel + (kk * PANEL + 16 * v) * 2);
+    }
+    static W input(const uint16_t* x, int64_t kk) {  // x[2kk] and x[2kk + 1], to every lane
+        int32_t pair;
+        memcpy(&pair, x + 2 * kk, sizeof pair);
+        return (__m512bh)_mm512_set1_epi32(pair);
+    }
+    static __m512 madd(__m512 acc, W x, W w) { return _mm512_dpbf16_ps(acc, x, w); }
+    static void store(uint16_t* p, __mmask16 m, __m512 acc) {  // round to nearest even, as torch rounds
+        _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(acc));
+    }
+};
+#endif  // __AVX512BF16__
 
-// kp = k / 2 pair-rows; panel[(kk * PANEL + c) * 2 + e] = w[col c, 2 kk + e].
-template <int ROWS>
-void pass_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t kp, const uint16_t* bias,
-               uint16_t* out, int64_t ldo, int64_t valid, Ahead ahead) {
+// `ROWS` rows of x against one panel of `depth` k steps, sums in float32; prefetches the next panel's k
+// steps as `ahead` says.
+template <typename E, int ROWS>
+void panel_pass(const typename E::T* x, int64_t ldx, const typename E::T* panel, int64_t depth,
+                const typename E::T* bias, typename E::T* out, int64_t ldo, int64_t valid, Ahead ahead) {
     __m512 acc[ROWS][VECS];
     for (int v = 0; v < VECS; ++v) {
-        const __m512 b = bias ? widen_bf16(lanes(valid, v), bias + 16 * v) : _mm512_setzero_ps();
+        const __m512 b = bias ? E::bias(lanes(valid, v), bias + 16 * v) : _mm512_setzero_ps();
         for (int r = 0; r < ROWS; ++r) acc[r][v] = b;
     }
     const char* pf = ahead.next + ahead.begin * ROW_BYTES;
-    for (int64_t k0 = 0; k0 < kp; k0 += ahead.every, pf += ROW_BYTES) {
+    for (int64_t k0 = 0; k0 < depth; k0 += ahead.every, pf += ROW_BYTES) {
         prefetch_row(pf);
-        const int64_t k1 = std::min(kp, k0 + ahead.every);
+        const int64_t k1 = std::min(depth, k0 + ahead.every);
         for (int64_t kk = k0; kk < k1; ++kk) {
-            __m512bh w[VECS];
-            for (int v = 0; v < VECS; ++v)
-                w[v] = (__m512bh)_mm512_loadu_si512(panel + (kk * PANEL + 16 * v) * 2);
+            typename E::W w[VECS];
+            for (int v = 0; v < VECS; ++v) w[v] = E::weight(panel, kk, v);
             for (int r = 0; r < ROWS; ++r) {
-                int32_t pair;  // x[r, 2kk] and x[r, 2kk + 1], to every lane
-                memcpy(&pair, x + r * ldx + 2 * kk, sizeof pair);
-                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-                for (int v = 0; v < VECS; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb, w[v]);
+                const typename E::W xb = E::input(x + r * ldx, kk);
+                for (int v = 0; v < VECS; ++v) acc[r][v] = E::madd(acc[r][v], xb, w[v]);
             }
         }
     }
     for (int r = 0; r < ROWS; ++r)
-        for (int v = 0; v < VECS; ++v)  // round to nearest even, as torch rounds a float32 result to bf16
-            _mm256_mask_storeu_epi16(out + r * ldo + 16 * v, lanes(valid, v),
-                                     (__m256i)_mm512_cvtneps_pbh(acc[r][v]));
+        for (int v = 0; v < VECS; ++v) E::store(out + r * ldo + 16 * v, lanes(valid, v), acc[r][v]);
 }
-#endif  // __AVX512BF16__
 
-// Every panel of the weight, split in contiguous runs across threads; `depth` k-rows per panel (k in float32,
-// k / 2 in bf16); Pass(rows) is the microkernel for that many rows.
-template <typename T, typename PassFn>
-void run_panels(const T* x, int64_t ldx, int64_t m, const T* panels, int64_t n, int64_t depth, const T* bias,
-                T* out, int64_t ldo, int num_threads, PassFn pass) {
+template <typename E>
+void pass_rows(int rows, const typename E::T* x, int64_t ldx, const typename E::T* panel, int64_t depth,
+               const typename E::T* bias, typename E::T* out, int64_t ldo, int64_t valid, Ahead ahead) {
+    switch (rows) {
+        case 1: return panel_pass<E, 1>(x, ldx, panel, depth, bias, out, ldo, valid, ahead);
+        case 2: return panel_pass<E, 2>(x, ldx, panel, depth, bias, out, ldo, valid, ahead);
+        case 3: return panel_pass<E, 3>(x, ldx, panel, depth, bias, out, ldo, valid, ahead);
+        case 4: return panel_pass<E, 4>(x, ldx, panel, depth, bias, out, ldo, valid, ahead);
+        case 5: return panel_pass<E, 5>(x, ldx, panel, depth, bias, out, ldo, valid, ahead);
+        default: return panel_pass<E, MAX_ROWS>(x, ldx, panel, depth, bias, out, ldo, valid, ahead);
+    }
+}
+
+// Every panel of the weight, split in contiguous runs across threads; `depth` k steps per panel (k in
+// float32, k / 2 in bf16).
+template <typename E>
+void run_panels(const void* xv, int64_t ldx, int64_t m, const void* panels_v, int64_t n, int64_t depth,
+                const void* bias_v, void* out_v, int64_t ldo, int num_threads) {
+    using T = typename E::T;
+    const T *x = static_cast<const T*>(xv), *panels = static_cast<const T*>(panels_v);
+    const T* bias = static_cast<const T*>(bias_v);
+    T* out = static_cast<T*>(out_v);
     const int64_t count = (n + PANEL - 1) / PANEL, stride = depth * ROW_BYTES / sizeof(T);
     const int64_t passes = (m + MAX_ROWS - 1) / MAX_ROWS;
 #pragma omp parallel num_threads(num_threads) if (count >= 2 * num_threads)
@@ -124,8 +144,8 @@ void run_panels(const T* x, int64_t ldx, int64_t m, const T* panels, int64_t n, 
             const int64_t valid = std::min<int64_t>(PANEL, n - p * PANEL);
             for (int64_t j = 0, r0 = 0; r0 < m; r0 += MAX_ROWS, ++j) {
                 const int rows = static_cast<int>(std::min<int64_t>(MAX_ROWS, m - r0));
-                pass(rows, x + r0 * ldx, ldx, panel, depth, bias ? bias + p * PANEL : nullptr,
-                     out + r0 * ldo + p * PANEL, ldo, valid, Ahead{next, j * depth / passes, passes});
+                pass_rows<E>(rows, x + r0 * ldx, ldx, panel, depth, bias ? bias + p * PANEL : nullptr,
+                             out + r0 * ldo + p * PANEL, ldo, valid, Ahead{next, j * depth / passes, passes});
             }
         }
     }
@@ -133,15 +153,6 @@ void run_panels(const T* x, int64_t ldx, int64_t m, const T* panels, int64_t n, 
 
 }  // namespace
 
-#define MIXSERVE_ROWS_SWITCH(FN, ...)                  \
-    switch (rows) {                                     \
-        case 1: return FN<1>(__VA_ARGS__);              \
-        case 2: return FN<2>(__VA_ARGS__);              \
-        case 3: return FN<3>(__VA_ARGS__);              \
-        case 4: return FN<4>(__VA_ARGS__);              \
-        case 5: return FN<5>(__VA_ARGS__);              \
-        default: return FN<6>(__VA_ARGS__);             \
-    }
 #endif  // __AVX512F__
 
 extern "C" {
@@ -186,22 +197,12 @@ int mixserve_few_row_pack(int dtype, const void* w, int64_t n, int64_t k, void* 
 int mixserve_few_row_linear(int dtype, const void* x, int64_t ldx, int64_t m, const void* panels, int64_t n,
                             int64_t k, const void* bias, void* out, int64_t ldo, int num_threads) {
     if (dtype == 0) {
-        auto pass = [](int rows, const float* a, int64_t lda, const float* pw, int64_t depth, const float* b,
-                       float* o, int64_t ldo_, int64_t valid, Ahead ahead) {
-            MIXSERVE_ROWS_SWITCH(pass_f32, a, lda, pw, depth, b, o, ldo_, valid, ahead)
-        };
-        run_panels(static_cast<const float*>(x), ldx, m, static_cast<const float*>(panels), n, k,
-                   static_cast<const float*>(bias), static_cast<float*>(out), ldo, num_threads, pass);
+        run_panels<F32>(x, ldx, m, panels, n, k, bias, out, ldo, num_threads);
         return 0;
     }
 #ifdef __AVX512BF16__
     if (dtype == 1 && k % 2 == 0) {
-        auto pass = [](int rows, const uint16_t* a, int64_t lda, const uint16_t* pw, int64_t depth,
-                       const uint16_t* b, uint16_t* o, int64_t ldo_, int64_t valid, Ahead ahead) {
-            MIXSERVE_ROWS_SWITCH(pass_bf16, a, lda, pw, depth, b, o, ldo_, valid, ahead)
-        };
-        run_panels(static_cast<const uint16_t*>(x), ldx, m, static_cast<const uint16_t*>(panels), n, k / 2,
-                   static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), ldo, num_threads, pass);
+        run_panels<BF16>(x, ldx, m, panels, n, k / 2, bias, out, ldo, num_threads);
         return 0;
     }
 #endif
@@ -211,8 +212,8 @@ int mixserve_few_row_linear(int dtype, const void* x, int64_t ldx, int64_t m, co
 #else  // no AVX-512: nothing is packed, nothing is called (mixserve/model/cpu/few_row_linear.py)
 int mixserve_few_row_panel_width() { return 0; }
 int mixserve_few_row_pack(int, const void*, int64_t, int64_t, void*) { return 2; }
-int mixserve_few_row_linear(int, const void*, int64_t, int64_t, const void*, int64_t, int64_t, const void*, void*,
-                            int64_t, int) {
+int mixserve_few_row_linear(int, const void*, int64_t, int64_t, const void*, int64_t, int64_t, const void*,
+                            void*, int64_t, int) {
     return 2;
 }
 #endif
