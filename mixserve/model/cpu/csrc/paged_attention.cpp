@@ -7,7 +7,7 @@
 //
 // Work item = (sequence, KV head, tile of up to TILE_TOKENS query tokens): the tile's query rows are every
 // query head of that KV head's GQA group, so each K/V element read from the cache serves G heads. Keys go
-// in tiles of KEY_TILE (16 = one AVX-512 register of fp32 scores per row); online softmax per row. A float32
+// in tiles of KEY_TILE (16 = one AVX-512 register of fp32 scores per row); online softmax per row. A
 // decode is one item over all its KV heads instead (paged_decode.h), reading each block once; a tile of 8+
 // rows at head dim 64 or 128 (a prefill chunk) takes the key-major kernel (paged_chunk.h).
 #include <omp.h>
@@ -168,9 +168,10 @@ void run(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* 
     items.reserve(num_seqs * sh.num_kv_heads);
     // Longest contexts first: with dynamic scheduling, the big prefill tiles start early and the cheap
     // decodes fill in behind them on whichever thread is free.
-    // A float32 decode is one item over all KV heads (kv_head -1: attend_decode) where its rows fit a tile.
-    const bool whole = sizeof(T) == sizeof(float) && (sh.head_dim == 64 || sh.head_dim == 128)
-                       && sh.num_heads <= MAX_ROWS;
+    // A decode is one item over all KV heads (kv_head -1: attend_decode) where its rows fit a tile (and, in
+    // bf16, a key's row of every KV head fits the widening buffer).
+    const bool whole = (sh.head_dim == 64 || sh.head_dim == 128) && sh.num_heads <= MAX_ROWS
+                       && (sizeof(T) == sizeof(float) || sh.num_kv_heads * sh.head_dim <= MAX_DECODE_ROW);
     for (int64_t s = 0; s < num_seqs; ++s) {
         if (whole && query_start[s + 1] - query_start[s] == 1) {
             items.push_back({s, -1, query_start[s], query_start[s] + 1});
@@ -196,12 +197,10 @@ void run(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* 
     const bool chunked = sh.head_dim == 64 || sh.head_dim == 128;  // decodes are whole items then: 1 balances them
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, grab)
     for (int64_t i = 0; i < n; ++i) {
-        if constexpr (sizeof(T) == sizeof(float)) {
-            if (items[i].kv_head < 0) {
-                (sh.head_dim == 64 ? attend_decode<64> : attend_decode<128>)(items[i], q, k_cache, v_cache, out,
-                                                                              seq_lens, block_tables, sh);
-                continue;
-            }
+        if (items[i].kv_head < 0) {
+            (sh.head_dim == 64 ? attend_decode<T, 64> : attend_decode<T, 128>)(items[i], q, k_cache, v_cache, out,
+                                                                                seq_lens, block_tables, sh);
+            continue;
         }
         if (chunked && (items[i].q_end - items[i].q_begin) * G >= 8) {
             (sh.head_dim == 64 ? attend_chunk<T, 64> : attend_chunk<T, 128>)(items[i], q, k_cache, v_cache, out,
