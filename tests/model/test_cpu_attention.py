@@ -80,12 +80,15 @@ def test_long_contexts_and_chunks_match_the_definition(hq: int, hkv: int, d: int
         assert run_random_batch(seed, hq, hkv, d, 16, dtype, max_start=400, max_chunk=90) < bound
 
 
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 2, 80)])
-def test_bfloat16_mixed_batches_match_the_definition(hq: int, hkv: int, d: int) -> None:
+# (9, 3, 64), (6, 3, 128): decodes are one item over every KV head, their rows widened per key tile;
+# (16, 16, 128): a key's row of all heads (2048) is past the widening buffer, so decodes go per KV head
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (6, 3, 128), (4, 2, 80), (16, 16, 128)])
+@pytest.mark.parametrize("bs", [1, 4, 16])
+def test_bfloat16_mixed_batches_match_the_definition(hq: int, hkv: int, d: int, bs: int) -> None:
     # Inputs are bf16 and the kernel computes in float32: the only loss is rounding the output to bf16
     # (8 bits of mantissa: 2^-8 relative on values of magnitude up to ~2).
     for seed in range(3):
-        assert run_random_batch(seed, hq, hkv, d, 16, torch.bfloat16) < 2 ** -8 * 2
+        assert run_random_batch(seed, hq, hkv, d, bs, torch.bfloat16) < 2 ** -8 * 2
 
 
 def test_a_shape_the_kernel_cannot_take_is_a_clear_error() -> None:
