@@ -4,7 +4,7 @@ against the GEMM the CPU ops use without them (MKL in float32, oneDNN in bf16; t
 Not a test. Run: .venv/bin/python bench/few_row_gemm.py [--dtype bfloat16] [--repeats 5]
 30 layers of the default model's four linear shapes, random weights, cycled so that each call reads its weight
 from memory as a forward does; ms per 120 calls, best of the repeats, the two alternated. Rows above the
-dtype's FEW_ROWS run the same GEMM in both columns.
+weight's `few.max_rows` (32 in float32; bf16: 32 with AMX, else 8) run the same GEMM in both columns.
 """
 
 from __future__ import annotations

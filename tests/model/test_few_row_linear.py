@@ -1,6 +1,7 @@
 """The few-row linear (mixserve/model/cpu/few_row_linear.py): equal to F.linear at every row count it takes,
-odd shapes included, in float32 and (on CPUs with AVX512-BF16) bf16; the CPU ops send decode-sized GEMMs to
-it and bigger ones to MKL / oneDNN; without the kernel (no AVX-512) nothing is packed."""
+odd shapes included, in float32 and (on CPUs with AVX512-BF16; AMX tiles where there are) bf16; the CPU ops
+send decode-sized GEMMs to it and bigger ones to MKL / oneDNN; without the kernel (no AVX-512) nothing is
+packed."""
 
 from __future__ import annotations
 
@@ -39,13 +40,16 @@ def test_panels_equal_f_linear(n: int, k: int, rows: int) -> None:
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+# k a multiple of 32 takes AMX tiles where the CPU has them (up to 32 rows), others the vdpbf16ps pass (8)
 @needs_bf16_panels
-@pytest.mark.parametrize("n,k", [(960, 576), (37, 46), (130, 8)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 64), (37, 46), (130, 8)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 16, 17, 31, 32])
 def test_bf16_panels_within_one_bf16_rounding(n: int, k: int, rows: int) -> None:
     w, b, x = (t.to(torch.bfloat16) for t in _case(n, k, rows, seed=rows))
     packed = few_row_linear.pack(w)
-    assert packed is not None and packed.max_rows == few_row_linear.FEW_ROWS[torch.bfloat16]
+    assert packed is not None
+    assert packed.max_rows == (32 if ops.cpu_features().amx_bf16 and k % 32 == 0 else 8)
+    # (the kernel takes any row count; max_rows is where the linears stop sending it rows)
     # products of two bf16 are exact in float32; the sums are float32's; one rounding to bf16 at the end
     # (2^-8 relative): within 1 bf16 ulp of |y| (~1 here) and far closer on average.
     assert_bf16_linear_close(few_row_linear.linear(x, packed, b), x, w, b, tol=8e-3, mean_tol=2e-3)
@@ -74,7 +78,7 @@ def test_cpu_ops_route_few_rows_to_the_panels_and_more_to_the_gemm(monkeypatch: 
         return real(x, pw, bias)
 
     monkeypatch.setattr(few_row_linear, "linear", spy)
-    most = few_row_linear.FEW_ROWS[dtype]
+    most = packed.few.max_rows
     for rows in (1, most, most + 1, 200):
         x = torch.randn(rows, 576).to(dtype)
         tol = 1e-5 if dtype == torch.float32 else 8e-3

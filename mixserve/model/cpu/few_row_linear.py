@@ -11,8 +11,14 @@ bench/few_row_gemm.py [--dtype bfloat16]):
         (48: 68.6, 64: 82.6 in MKL, as fast as panels there)
     bfloat16, oneDNN (torch.mv at 1 row) -> panels (vdpbf16ps):
         rows 1: 28.6 -> 15.5   2: 28.9 -> 16.1   4: 26.1 -> 18.5   8: 27.0 -> 21.8
-        16: 26.2 -> 33.1 (AMX tiles win from here)
-So FEW_ROWS per dtype; above it MKL / oneDNN keep every row count (prefill chunks: near the machine's peak).
+        16: 26.2 -> 33.1 (vdpbf16ps does 32 products a cycle, float32's rate: compute-bound from here)
+    bfloat16 with AMX: the same panels through tile products (csrc/few_row_amx.h), vdpbf16ps -> tiles
+    (two kernel builds called alternately, 2026-12-02):
+        rows 1: 12.2 -> 12.0   2: 13.6 -> 12.1   4: 15.0 -> 12.6   8: 20.2 -> 13.3
+    and whole bf16 decode steps, oneDNN above 8 rows -> tiles (two runners alternated, the same logits):
+        12 sequences 49.6 -> 34.1 ms, 16: 46.6 -> 33.0, 24: 76.6 -> 49.6, 32: 80.4 -> 56.5
+So the kernel says how many rows a weight takes (`max_rows`: 32 in float32, bf16 32 with AMX and k a multiple
+of 32, else 8); above it MKL / oneDNN keep every row count (prefill chunks: near the machine's peak).
 The panels are a second copy of each linear weight (the default model: +0.54 GB resident in float32, +0.27
 in bf16); the decision is the runner's, once, through `ops.cpu_ops`: panels exist only where the kernels
 built with AVX-512 (elsewhere `panel_width()` is 0 and nothing is packed), bf16 ones only with AVX512-BF16.
@@ -29,10 +35,6 @@ from torch import Tensor
 from mixserve.model.cpu.build import KernelBuildError, load_library
 from mixserve.model.cpu.layer_ops import DTYPE_CODE
 
-# Up to this many rows through the panels (the tables above): from 16 rows oneDNN's bf16 GEMM (AMX tiles
-# where the CPU has them) is faster, and fp32 MKL from ~48.
-FEW_ROWS = {torch.float32: 32, torch.bfloat16: 8}
-
 
 @dataclass(frozen=True)
 class PanelWeight:
@@ -42,7 +44,7 @@ class PanelWeight:
     panels: Tensor
     n: int
     k: int
-    max_rows: int  # FEW_ROWS of its dtype: the linears send 1..max_rows rows here
+    max_rows: int  # the kernel's mixserve_few_row_max_rows: the linears send 1..max_rows rows here
 
 
 @functools.cache
@@ -63,9 +65,10 @@ def pack(w: Tensor) -> PanelWeight | None:
     w = w.detach().contiguous()
     n, k = w.shape
     panels = torch.empty(-(-n // width) * k * width, dtype=w.dtype)
-    if load_library().mixserve_few_row_pack(code, w.data_ptr(), n, k, panels.data_ptr()) != 0:
+    lib = load_library()
+    if lib.mixserve_few_row_pack(code, w.data_ptr(), n, k, panels.data_ptr()) != 0:
         return None
-    return PanelWeight(panels, n, k, FEW_ROWS[w.dtype])
+    return PanelWeight(panels, n, k, int(lib.mixserve_few_row_max_rows(code, k)))
 
 
 def linear(x: Tensor, w: PanelWeight, bias: Tensor | None) -> Tensor:

@@ -8,6 +8,7 @@
 // prefetches the next one into L2, spread over the panel's row passes so the memory stream and the FMAs
 // overlap. The microkernel holds 6 rows x 64 columns of float32 sums in 24 AVX-512 registers; each k step
 // loads 4 weight vectors and broadcasts 6 inputs (bf16: each step is a pair of k, one vdpbf16ps per vector).
+// bf16 on a CPU with AMX takes tiles instead, on the same panels (few_row_amx.h), at up to 32 rows.
 //
 // Built only where the compiler targets AVX-512 (-march=native on such a CPU); elsewhere the entry points
 // report a panel width of 0 and the linears stay MKL's / oneDNN's.
@@ -81,7 +82,11 @@ struct BF16 {
         _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(acc));
     }
 };
+#include "few_row_amx.h"
 #endif  // __AVX512BF16__
+
+// bf16 rows the vdpbf16ps pass takes (a CPU without AMX, or k not a multiple of 32); above it oneDNN
+constexpr int BF16_FEW_ROWS = 8;
 
 // `ROWS` rows of x against one panel of `depth` k steps, sums in float32; prefetches the next panel's k
 // steps as `ahead` says.
@@ -161,6 +166,20 @@ extern "C" {
 
 int mixserve_few_row_panel_width() { return PANEL; }
 
+// The most rows mixserve_few_row_linear takes for this dtype and k (0: none, the weight is not packed).
+int mixserve_few_row_max_rows(int dtype, int64_t k) {
+    if (dtype == 0) return 32;
+#ifdef __AVX512BF16__
+    if (dtype == 1 && k % 2 == 0) {
+#ifdef MIXSERVE_AMX
+        if (k % 32 == 0 && amx_permitted()) return AMX_MAX_ROWS;
+#endif
+        return BF16_FEW_ROWS;
+    }
+#endif
+    return 0;
+}
+
 // w (n, k) row-major -> float32 panels[(p * k + kk) * PANEL + c] = w[p * PANEL + c, kk]; bf16 (k even)
 // panels[((p * k/2 + kk) * PANEL + c) * 2 + e] = w[p * PANEL + c, 2 kk + e]; zero past column n.
 int mixserve_few_row_pack(int dtype, const void* w, int64_t n, int64_t k, void* panels) {
@@ -202,6 +221,13 @@ int mixserve_few_row_linear(int dtype, const void* x, int64_t ldx, int64_t m, co
     }
 #ifdef __AVX512BF16__
     if (dtype == 1 && k % 2 == 0) {
+#ifdef MIXSERVE_AMX
+        if (m <= AMX_MAX_ROWS && k % 32 == 0 && amx_permitted()) {  // faster than vdpbf16ps at every m
+            run_amx(static_cast<const uint16_t*>(x), ldx, m, static_cast<const uint16_t*>(panels), n, k / 2,
+                    static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), ldo, num_threads);
+            return 0;
+        }
+#endif
         run_panels<BF16>(x, ldx, m, panels, n, k / 2, bias, out, ldo, num_threads);
         return 0;
     }
@@ -211,6 +237,7 @@ int mixserve_few_row_linear(int dtype, const void* x, int64_t ldx, int64_t m, co
 
 #else  // no AVX-512: nothing is packed, nothing is called (mixserve/model/cpu/few_row_linear.py)
 int mixserve_few_row_panel_width() { return 0; }
+int mixserve_few_row_max_rows(int, int64_t) { return 0; }
 int mixserve_few_row_pack(int, const void*, int64_t, int64_t, void*) { return 2; }
 int mixserve_few_row_linear(int, const void*, int64_t, int64_t, const void*, int64_t, int64_t, const void*,
                             void*, int64_t, int) {
