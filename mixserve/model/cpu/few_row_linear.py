@@ -17,7 +17,9 @@ bench/few_row_gemm.py [--dtype bfloat16]):
         rows 1: 12.2 -> 12.0   2: 13.6 -> 12.1   4: 15.0 -> 12.6   8: 20.2 -> 13.3
     and whole bf16 decode steps, oneDNN above 8 rows -> tiles (two runners alternated, the same logits):
         12 sequences 49.6 -> 34.1 ms, 16: 46.6 -> 33.0, 24: 76.6 -> 49.6, 32: 80.4 -> 56.5
-So the kernel says how many rows a weight takes (`max_rows`: 32 in float32, bf16 32 with AMX and k a multiple
+    and from 33 rows in two passes of 32 (oneDNN -> tiles): 40 sequences 83.4 -> 77.2, 48: 87.9 -> 85.1,
+        64: 101.8 -> 99.8 (logits as close to float32's: mean |difference| 0.129 against oneDNN's 0.137)
+So the kernel says how many rows a weight takes (`max_rows`: 32 in float32, bf16 64 with AMX and k a multiple
 of 32, else 8); above it MKL / oneDNN keep every row count (prefill chunks: near the machine's peak).
 The panels are a second copy of each linear weight (the default model: +0.54 GB resident in float32, +0.27
 in bf16); the decision is the runner's, once, through `ops.cpu_ops`: panels exist only where the kernels

@@ -1,4 +1,4 @@
-// bfloat16 linears of 1..32 rows on AMX tiles (Sapphire Rapids and later), on the same column panels as the
+// bfloat16 linears of 1..64 rows on AMX tiles (Sapphire Rapids and later), on the same column panels as the
 // vdpbf16ps pass (few_row_linear.cpp): a panel's bf16 pairs of k are what TDPBF16PS reads as its B tile
 // (16 pairs of k x 16 columns, 256 bytes from one pair-row to the next), x's rows are its A tile as they lie.
 //
@@ -16,7 +16,8 @@
 
 #define MIXSERVE_AMX 1
 
-constexpr int AMX_MAX_ROWS = 32;  // two row tiles of 16
+constexpr int AMX_BLOCK = 32;     // rows a pass holds: two row tiles of 16
+constexpr int AMX_MAX_ROWS = 64;  // two passes over each half panel (the second from L1/L2)
 
 struct alignas(64) TileConfig {
     uint8_t palette = 1, start_row = 0;
@@ -44,8 +45,8 @@ TileConfig tile_config(int64_t m) {
     return c;
 }
 
-// One half panel (32 columns) of `m` (1..32) rows over every k, sums into acc (32 x 32 floats); prefetches
-// `dose` bytes of the next panel from `pf` before each step of 32 k.
+// One half panel (32 columns) of `m` (1..AMX_BLOCK) rows over every k, sums into acc (32 x 32 floats);
+// prefetches `dose` bytes of the next panel from `pf` before each step of 32 k.
 void amx_half(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* panel, int64_t pairs, int half,
               float (*acc)[32], const char* pf, int64_t dose) {
     _tile_zero(0);
@@ -77,30 +78,39 @@ void amx_half(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* panel, 
 }
 
 // out (m x n, row stride ldo) = x @ w.T + bias in bf16, for m <= AMX_MAX_ROWS and k a multiple of 32 (pairs =
-// k / 2), each thread on its own contiguous run of panels (as run_panels).
+// k / 2), each thread on its own contiguous run of panels (as run_panels); rows in blocks of AMX_BLOCK, the
+// first block's pass prefetching the next panel.
 void run_amx(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* panels, int64_t n, int64_t pairs,
              const uint16_t* bias, uint16_t* out, int64_t ldo, int num_threads) {
     const int64_t count = (n + PANEL - 1) / PANEL, stride = pairs * PANEL * 2;
     const int64_t dose = pairs * ROW_BYTES / (2 * (pairs / 16));  // the next panel over both halves' steps
-    const TileConfig config = tile_config(m);
+    const int64_t blocks = (m + AMX_BLOCK - 1) / AMX_BLOCK, tail = m - (blocks - 1) * AMX_BLOCK;
+    const TileConfig full = tile_config(std::min<int64_t>(m, AMX_BLOCK)), last = tile_config(tail);
+    const bool switching = blocks > 1 && tail != AMX_BLOCK;  // two configs, loaded in turn
 #pragma omp parallel num_threads(num_threads) if (count >= 2 * num_threads)
     {
-        _tile_loadconfig(&config);
-        alignas(64) float acc[AMX_MAX_ROWS][32];
+        _tile_loadconfig(&full);
+        alignas(64) float acc[AMX_BLOCK][32];
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t first = count * t / nt, last = count * (t + 1) / nt;
-        for (int64_t p = first; p < last; ++p) {
+        const int64_t first = count * t / nt, end = count * (t + 1) / nt;
+        for (int64_t p = first; p < end; ++p) {
             const uint16_t* panel = panels + p * stride;
-            const char* next = reinterpret_cast<const char*>(p + 1 < last ? panel + stride : panel);
+            const char* next = reinterpret_cast<const char*>(p + 1 < end ? panel + stride : panel);
             for (int half = 0; half < 2; ++half) {
                 const int64_t c0 = p * PANEL + 32 * half, valid = std::min<int64_t>(32, n - c0);
                 if (valid <= 0) break;
-                amx_half(x, ldx, m, panel, pairs, half, acc, next + half * (pairs / 16) * dose, dose);
-                for (int v = 0; v < 2; ++v) {
-                    const __mmask16 mask = lanes(valid, v);
-                    const __m512 b = bias ? BF16::bias(mask, bias + c0 + 16 * v) : _mm512_setzero_ps();
-                    for (int64_t r = 0; r < m; ++r)
-                        BF16::store(out + r * ldo + c0 + 16 * v, mask, _mm512_add_ps(_mm512_load_ps(acc[r] + 16 * v), b));
+                for (int64_t rb = 0; rb < blocks; ++rb) {
+                    const int64_t r0 = rb * AMX_BLOCK, mb = std::min<int64_t>(AMX_BLOCK, m - r0);
+                    if (switching && (rb == 0 || rb == blocks - 1)) _tile_loadconfig(rb == 0 ? &full : &last);
+                    amx_half(x + r0 * ldx, ldx, mb, panel, pairs, half, acc, next + half * (pairs / 16) * dose,
+                             rb == 0 ? dose : 0);
+                    for (int v = 0; v < 2; ++v) {
+                        const __mmask16 mask = lanes(valid, v);
+                        const __m512 b = bias ? BF16::bias(mask, bias + c0 + 16 * v) : _mm512_setzero_ps();
+                        for (int64_t r = 0; r < mb; ++r)
+                            BF16::store(out + (r0 + r) * ldo + c0 + 16 * v, mask,
+                                        _mm512_add_ps(_mm512_load_ps(acc[r] + 16 * v), b));
+                    }
                 }
             }
         }
