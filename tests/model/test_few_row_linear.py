@@ -1,7 +1,7 @@
 """The few-row linear (mixserve/model/cpu/few_row_linear.py): equal to F.linear at every row count it takes,
-odd shapes included, in float32 and (on CPUs with AVX512-BF16; AMX tiles where there are) bf16; the CPU ops
-send decode-sized GEMMs to it and bigger ones to MKL / oneDNN; without the kernel (no AVX-512) nothing is
-packed."""
+odd shapes included, in float32 (AVX-512 or AVX2 panels) and (on CPUs with AVX512-BF16; AMX tiles where there
+are) bf16; the CPU ops send decode-sized GEMMs to it and bigger ones to MKL / oneDNN; without the kernel
+(neither AVX-512 nor AVX2 with FMA) nothing is packed."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from mixserve.model.cpu import few_row_linear, mkl_linear
 from tests.model.bf16_check import assert_bf16_linear_close
 
 needs_panels = pytest.mark.skipif(few_row_linear.panel_width() == 0,
-                                  reason="the few-row kernel is built only for AVX-512 CPUs")
+                                  reason="the few-row kernel needs AVX-512 or AVX2 with FMA")
 BF16_PANELS = few_row_linear.pack(torch.ones(64, 64, dtype=torch.bfloat16)) is not None
 needs_bf16_panels = pytest.mark.skipif(not BF16_PANELS, reason="bf16 panels need AVX512-BF16")
 
@@ -69,7 +69,8 @@ def test_cpu_ops_route_few_rows_to_the_panels_and_more_to_the_gemm(monkeypatch: 
     cpu = ops.cpu_ops(dtype)
     w, b, _ = (t.to(dtype) for t in _case(960, 576, 1))
     packed = cpu.pack(w)
-    assert isinstance(packed, mkl_linear.MklPacked if dtype == torch.float32 else ops.PackedWeight)
+    fp32 = mkl_linear.MklPacked if mkl_linear.unavailable() is None else ops.PackedWeight
+    assert isinstance(packed, fp32 if dtype == torch.float32 else ops.PackedWeight)
     assert packed.few is not None
     seen: list[int] = []
     real = few_row_linear.linear
@@ -86,14 +87,17 @@ def test_cpu_ops_route_few_rows_to_the_panels_and_more_to_the_gemm(monkeypatch: 
         want = F.linear(x.float(), w.float(), b.float())
         torch.testing.assert_close(cpu.linear(x, packed, b).float(), want, rtol=tol, atol=tol)
     assert seen == [1, most]  # more rows than that run MKL's (oneDNN's) packed GEMM
+    if dtype == torch.float32:  # 32 rows with AVX-512's 64-column panels, 128 with AVX2's 16 (few_row_simd.h)
+        assert most == (32 if few_row_linear.panel_width() == 64 else 128)
 
 
-def test_without_the_kernel_mkl_takes_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_the_kernel_the_gemm_takes_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(few_row_linear, "panel_width", lambda: 0)
     w, b, x = _case(960, 576, 3)
-    packed = ops.cpu_ops(torch.float32).pack(w)
+    cpu = ops.cpu_ops(torch.float32)
+    packed = cpu.pack(w)
     assert packed.few is None
-    torch.testing.assert_close(mkl_linear.linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu.linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 def test_float16_is_not_packed() -> None:

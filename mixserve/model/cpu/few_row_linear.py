@@ -19,11 +19,17 @@ bench/few_row_gemm.py [--dtype bfloat16]):
         12 sequences 49.6 -> 34.1 ms, 16: 46.6 -> 33.0, 24: 76.6 -> 49.6, 32: 80.4 -> 56.5
     and from 33 rows in two passes of 32 (oneDNN -> tiles): 40 sequences 83.4 -> 77.2, 48: 87.9 -> 85.1,
         64: 101.8 -> 99.8 (logits as close to float32's: mean |difference| 0.129 against oneDNN's 0.137)
-So the kernel says how many rows a weight takes (`max_rows`: 32 in float32, bf16 64 with AMX and k a multiple
-of 32, else 8); above it MKL / oneDNN keep every row count (prefill chunks: near the machine's peak).
+On an AVX2-only CPU (Zen 3, 2.45 GHz, 2026-12-02) the panels are 16 columns wide, and MKL there is slow at
+few rows, so they pay more: MKL -> panels, float32, the same bench:
+        rows 1: 58.2 -> 27.6   4: 112.4 -> 25.6   8: 127.5 -> 29.4   16: 161.5 -> 46.4   32: 152.2 -> 63.4
+    and against oneDNN (which float32 takes there instead of MKL, mkl_linear.unavailable), 30 layers cycled:
+        rows 8: 71.5 -> 33.5   32: 94.5 -> 68.6   64: 146.3 -> 106.6   96: 195.4 -> 185.5, a tie to 256
+So the kernel says how many rows a weight takes (`max_rows`: float32 32 with AVX-512, 128 with AVX2; bf16 64
+with AMX and k a multiple of 32, else 8); above it MKL / oneDNN keep every row count (prefill chunks).
 The panels are a second copy of each linear weight (the default model: +0.54 GB resident in float32, +0.27
 in bf16); the decision is the runner's, once, through `ops.cpu_ops`: panels exist only where the kernels
-built with AVX-512 (elsewhere `panel_width()` is 0 and nothing is packed), bf16 ones only with AVX512-BF16.
+built with AVX-512 or AVX2 (elsewhere `panel_width()` is 0 and nothing is packed), bf16 ones only with
+AVX512-BF16.
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ class PanelWeight:
 
 @functools.cache
 def panel_width() -> int:
-    """The panel width the kernel was built with; 0 where it was not (no AVX-512, or no C++ kernels)."""
+    """The panel width the kernel was built with (64 AVX-512, 16 AVX2); 0 where it was not (neither, or no C++
+    kernels)."""
     try:
         return int(load_library().mixserve_few_row_panel_width())
     except KernelBuildError:
@@ -59,7 +66,7 @@ def panel_width() -> int:
 
 
 def pack(w: Tensor) -> PanelWeight | None:
-    """The panel layout of a float32 or bfloat16 weight, or None where the kernel cannot take it (no AVX-512;
+    """The panel layout of a float32 or bfloat16 weight, or None where the kernel cannot take it (no panels;
     bf16 without AVX512-BF16 or with an odd k): the caller keeps MKL's or oneDNN's linear."""
     width, code = panel_width(), DTYPE_CODE.get(w.dtype)
     if width == 0 or code is None:

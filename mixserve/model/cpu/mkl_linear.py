@@ -86,7 +86,7 @@ def linear(x: Tensor, w: MklPacked, bias: Tensor | None) -> Tensor:
 
 
 @functools.cache
-def unavailable() -> str | None:
+def broken() -> str | None:
     """None when MKL's packed GEMM is found and one packed weight gives F.linear's result at every row count
     tried here (odd shapes included), else why not (one line)."""
     try:
@@ -100,4 +100,19 @@ def unavailable() -> str | None:
         x = torch.randn(m, 37, generator=g)
         if not torch.allclose(linear(x, packed, None), F.linear(x, w), rtol=1e-4, atol=1e-4):
             return f"MKL's packed GEMM gave a wrong result at {m} rows from one packing"
+    return None
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """None when the float32 linears take MKL's packed GEMM here, else why not (one line): it must work
+    (`broken`), and the CPU must be one where it beats oneDNN's. That is an AVX-512 CPU (the table above;
+    Zen 5 alike). On an AVX2-only Zen 3 MKL takes a slower path: 0.75-0.9x oneDNN's rate at 8-1024 rows
+    (2026-12-02, 30 layers of the default model's four shapes cycled from memory), so oneDNN takes them."""
+    why = broken()
+    if why is not None:
+        return why
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith("AVX512"):
+        return f"MKL's packed GEMM is slower than oneDNN's on this CPU ({capability})"
     return None

@@ -6,34 +6,29 @@
 // GFLOP/s at 32 rows where the machine has twice each. Here a thread walks its own contiguous run of panels
 // (64 output columns x all of K, k-major: the weight is read once, in order) and, while it computes a panel,
 // prefetches the next one into L2, spread over the panel's row passes so the memory stream and the FMAs
-// overlap. The microkernel holds 6 rows x 64 columns of float32 sums in 24 AVX-512 registers; each k step
-// loads 4 weight vectors and broadcasts 6 inputs (bf16: each step is a pair of k, one vdpbf16ps per vector).
-// bf16 on a CPU with AMX takes tiles instead, on the same panels (few_row_amx.h), at up to 32 rows.
+// overlap. The microkernel holds 6 rows x 64 columns of float32 sums in 24 AVX-512 registers (AVX2: 6 x 16
+// in 12, few_row_simd.h); each k step loads the panel row's weight vectors and broadcasts 6 inputs (bf16:
+// each step is a pair of k, one vdpbf16ps per vector). bf16 on a CPU with AMX takes tiles instead, on the
+// same panels (few_row_amx.h), at up to 64 rows.
 //
-// Built only where the compiler targets AVX-512 (-march=native on such a CPU); elsewhere the entry points
-// report a panel width of 0 and the linears stay MKL's / oneDNN's.
+// Built where the compiler targets AVX-512 or AVX2 with FMA (-march=native); bf16 only with AVX512-BF16.
+// Elsewhere the entry points report a panel width of 0 and the linears stay MKL's / oneDNN's.
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
 #include <algorithm>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
+#include "few_row_simd.h"
+
+#ifdef MIXSERVE_FEW_ROW_SIMD
 
 namespace {
 
-constexpr int VECS = 4;           // 16-lane vectors per panel row
-constexpr int PANEL = 16 * VECS;  // output columns per panel
-constexpr int MAX_ROWS = 6;       // rows per microkernel pass (24 sums + 4 weights + 1 input: 29 registers)
-// A panel row (one k in float32, one pair of k in bf16) is PANEL x 4 bytes either way: 4 cache lines.
+constexpr int PANEL = LANES * VECS;  // output columns per panel
+// A panel row (one k in float32, one pair of k in bf16) is PANEL x 4 bytes either way: 4 cache lines
+// (AVX2: 1).
 constexpr int ROW_BYTES = PANEL * 4;
-
-__mmask16 lanes(int64_t valid, int v) {
-    const int64_t left = valid - 16 * v;
-    return left >= 16 ? static_cast<__mmask16>(0xffff)
-                      : left <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << left) - 1);
-}
 
 // Where a pass prefetches: k-rows [begin, begin + steps) of the next panel, one every `every` k-rows.
 struct Ahead {
@@ -49,14 +44,12 @@ inline void prefetch_row(const char* row) {
 // multiply-add into float32 sums, and the store of a row's sums.
 struct F32 {
     using T = float;
-    using W = __m512;
-    static __m512 bias(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
-    static W weight(const float* panel, int64_t kk, int v) {
-        return _mm512_loadu_ps(panel + kk * PANEL + 16 * v);
-    }
-    static W input(const float* x, int64_t kk) { return _mm512_set1_ps(x[kk]); }
-    static __m512 madd(__m512 acc, W x, W w) { return _mm512_fmadd_ps(x, w, acc); }
-    static void store(float* p, __mmask16 m, __m512 acc) { _mm512_mask_storeu_ps(p, m, acc); }
+    using W = Vf;
+    static Vf bias(Mask m, const float* p) { return vload_masked(m, p); }
+    static W weight(const float* panel, int64_t kk, int v) { return vload(panel + kk * PANEL + LANES * v); }
+    static W input(const float* x, int64_t kk) { return vbroadcast(x[kk]); }
+    static Vf madd(Vf acc, W x, W w) { return vfmadd(x, w, acc); }
+    static void store(float* p, Mask m, Vf acc) { vstore_masked(p, m, acc); }
 };
 
 #ifdef __AVX512BF16__
@@ -93,9 +86,9 @@ constexpr int BF16_FEW_ROWS = 8;
 template <typename E, int ROWS>
 void panel_pass(const typename E::T* x, int64_t ldx, const typename E::T* panel, int64_t depth,
                 const typename E::T* bias, typename E::T* out, int64_t ldo, int64_t valid, Ahead ahead) {
-    __m512 acc[ROWS][VECS];
+    Vf acc[ROWS][VECS];
     for (int v = 0; v < VECS; ++v) {
-        const __m512 b = bias ? E::bias(lanes(valid, v), bias + 16 * v) : _mm512_setzero_ps();
+        const Vf b = bias ? E::bias(lanes(valid, v), bias + LANES * v) : vzero();
         for (int r = 0; r < ROWS; ++r) acc[r][v] = b;
     }
     const char* pf = ahead.next + ahead.begin * ROW_BYTES;
@@ -112,7 +105,7 @@ void panel_pass(const typename E::T* x, int64_t ldx, const typename E::T* panel,
         }
     }
     for (int r = 0; r < ROWS; ++r)
-        for (int v = 0; v < VECS; ++v) E::store(out + r * ldo + 16 * v, lanes(valid, v), acc[r][v]);
+        for (int v = 0; v < VECS; ++v) E::store(out + r * ldo + LANES * v, lanes(valid, v), acc[r][v]);
 }
 
 template <typename E>
@@ -158,17 +151,17 @@ void run_panels(const void* xv, int64_t ldx, int64_t m, const void* panels_v, in
 
 }  // namespace
 
-#endif  // __AVX512F__
+#endif  // MIXSERVE_FEW_ROW_SIMD
 
 extern "C" {
 
-#ifdef __AVX512F__
+#ifdef MIXSERVE_FEW_ROW_SIMD
 
 int mixserve_few_row_panel_width() { return PANEL; }
 
 // The most rows mixserve_few_row_linear takes for this dtype and k (0: none, the weight is not packed).
 int mixserve_few_row_max_rows(int dtype, int64_t k) {
-    if (dtype == 0) return 32;
+    if (dtype == 0) return F32_FEW_ROWS;
 #ifdef __AVX512BF16__
     if (dtype == 1 && k % 2 == 0) {
 #ifdef MIXSERVE_AMX
@@ -235,7 +228,7 @@ int mixserve_few_row_linear(int dtype, const void* x, int64_t ldx, int64_t m, co
     return 1;
 }
 
-#else  // no AVX-512: nothing is packed, nothing is called (mixserve/model/cpu/few_row_linear.py)
+#else  // neither AVX-512 nor AVX2 with FMA: nothing is packed or called (mixserve/model/cpu/few_row_linear.py)
 int mixserve_few_row_panel_width() { return 0; }
 int mixserve_few_row_max_rows(int, int64_t) { return 0; }
 int mixserve_few_row_pack(int, const void*, int64_t, int64_t, void*) { return 2; }

@@ -1,0 +1,62 @@
+// The vector ISA the float32 panels are built for, in one place: AVX-512 (16 lanes, 32 registers) or AVX2
+// with FMA (8 lanes, 16 registers). few_row_linear.cpp writes its microkernel once against these names.
+//
+// The microkernel keeps MAX_ROWS x VECS float32 sums in registers, VECS weight vectors and one broadcast
+// input beside them: AVX-512 6 x 4 (24 + 4 + 1 of 32 registers, a 64-column panel), AVX2 6 x 2 (12 + 2 + 1
+// of 16, a 16-column panel: BLIS's Haswell shape). A panel row is then 4 cache lines or 1.
+#pragma once
+#include <immintrin.h>
+#include <stdint.h>
+
+#include <algorithm>
+
+#if defined(__AVX512F__)
+#define MIXSERVE_FEW_ROW_SIMD 1
+
+namespace {
+
+using Vf = __m512;
+using Mask = __mmask16;
+constexpr int LANES = 16, VECS = 4, MAX_ROWS = 6;
+constexpr int F32_FEW_ROWS = 32;  // float32 rows the panels take; above them MKL's packed GEMM is as fast
+
+inline Mask lanes(int64_t valid, int v) {  // the lanes of vector v that hold one of `valid` columns
+    const int64_t left = valid - LANES * v;
+    return left >= LANES ? static_cast<Mask>(0xffff)
+                         : left <= 0 ? static_cast<Mask>(0) : static_cast<Mask>((1u << left) - 1);
+}
+inline Vf vzero() { return _mm512_setzero_ps(); }
+inline Vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vf vbroadcast(float x) { return _mm512_set1_ps(x); }
+inline Vf vfmadd(Vf a, Vf b, Vf acc) { return _mm512_fmadd_ps(a, b, acc); }
+inline Vf vload_masked(Mask m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+inline void vstore_masked(float* p, Mask m, Vf v) { _mm512_mask_storeu_ps(p, m, v); }
+
+}  // namespace
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MIXSERVE_FEW_ROW_SIMD 1
+
+namespace {
+
+using Vf = __m256;
+using Mask = __m256i;  // all ones in a lane that is loaded or stored
+constexpr int LANES = 8, VECS = 2, MAX_ROWS = 6;
+// float32 rows the panels take: on a Zen 3 (2026-12-02) they beat oneDNN 1.3-3x up to 96 rows, tie at
+// 128-256 and lose from 384 (1.3x); MKL is slower than both there (mkl_linear.py)
+constexpr int F32_FEW_ROWS = 128;
+
+inline Mask lanes(int64_t valid, int v) {
+    const int64_t left = std::clamp<int64_t>(valid - LANES * v, 0, LANES);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline Vf vzero() { return _mm256_setzero_ps(); }
+inline Vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vf vbroadcast(float x) { return _mm256_set1_ps(x); }
+inline Vf vfmadd(Vf a, Vf b, Vf acc) { return _mm256_fmadd_ps(a, b, acc); }
+inline Vf vload_masked(Mask m, const float* p) { return _mm256_maskload_ps(p, m); }
+inline void vstore_masked(float* p, Mask m, Vf v) { _mm256_maskstore_ps(p, m, v); }
+
+}  // namespace
+
+#endif
