@@ -128,7 +128,12 @@ def onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def gemm_rates(cfg: ModelConfig, dtype: torch.dtype = torch.float32, rows: int = GEMM_ROWS,
                min_seconds: float = 0.3) -> list[GemmRate]:
-    """FLOP/s of oneDNN on each of the model's GEMM shapes at `rows` rows; best of 3 timed runs."""
+    """FLOP/s of oneDNN on each of the model's GEMM shapes at `rows` rows; best of 3 timed runs. Empty where
+    oneDNN has no linear for `dtype` on this CPU (bf16 without AVX-512 or AVX-NE-CONVERT)."""
+    from mixserve.model.ops import mkldnn_linear_available
+
+    if mkldnn_linear_available(dtype) is not None:
+        return []
     out = []
     for name, k, n in model_gemm_shapes(cfg):
         x, w = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
@@ -165,7 +170,7 @@ class Floors:
         names = " ".join(f"{k}={'yes' if flags[k] else 'no'}" for k in CPU_FLAGS)
         gb = self.weight_bytes / 1e9
         gemm = ", ".join(f"{g.name} {g.rows}x{g.k}x{g.n} {g.flops_per_s / 1e9:.1f} GFLOP/s"
-                         for g in self.gemms)
+                         for g in self.gemms) or "none on this CPU"
         return [
             f"cpu: {flags['cpu']}; {names}; torch capability {flags['torch_capability']}, "
             f"oneDNN {'yes' if flags['onednn'] else 'no'}, {self.torch_threads} torch threads",

@@ -29,7 +29,7 @@ from mixserve.model.ops import torch_ops
 from mixserve.runner.model_runner import ModelRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from floors import floors  # noqa: E402
+from floors import floors, gemm_rates  # noqa: E402
 
 DECODE_SEQS, DECODE_CONTEXT, GEMM_TOKENS = 32, 512, 256
 
@@ -77,7 +77,8 @@ def check_floors(runner: ModelRunner, repeats: int) -> None:
     kv_read = DECODE_SEQS * DECODE_CONTEXT * runner.kv_bytes_per_token
     one_floor = 1e3 * f.weight_bytes / bw
     dec_floor = 1e3 * (f.weight_bytes + kv_read) / bw
-    gemm_rate = sum(g.flops_per_s for g in f.gemms) / len(f.gemms)
+    gemms = f.gemms or gemm_rates(runner.config, torch.float32)  # (no oneDNN bf16 GEMM on an AVX2 CPU)
+    gemm_rate = sum(g.flops_per_s for g in gemms) / len(gemms)
     rate = layer_flops(runner.config, GEMM_TOKENS) / (ms["prefill"] / 1e3)
     rows = [("1 token", f"{ms['one']:.1f} ms", f"{ms['one'] / one_floor:.2f}x of {one_floor:.1f} ms", 1.5,
              ms["one"] / one_floor),

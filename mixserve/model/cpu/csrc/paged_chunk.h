@@ -25,13 +25,18 @@ constexpr int MAX_GROUPS = MAX_ROWS / 16;
 // s[j] = K[key j] . qt (lanes: the group's 16 rows) for j < nk.
 template <int DC>
 inline void key_major_scores(const float (*kbuf)[DC], int64_t nk, const vf16* qt, vf16* s) {
-    for (int j = 0; j < KEY_TILE; ++j) s[j] = vf16{};
-    if (nk == KEY_TILE) {  // the common case: 16 independent FMA chains, the trip counts known
-        for (int d = 0; d < DC; ++d) {
-            const vf16 qd = qt[d];
-            for (int j = 0; j < KEY_TILE; ++j) s[j] += kbuf[j][d] * qd;
+    if (nk == KEY_TILE) {  // the common case: independent FMA chains in registers, the trip counts known
+        constexpr int KB = VF16_REGS >= 32 ? KEY_TILE : 4;  // keys a pass (AVX2: 4 sums, 8 of 16 registers)
+        for (int j0 = 0; j0 < KEY_TILE; j0 += KB) {
+            vf16 a[KB] = {};
+            for (int d = 0; d < DC; ++d) {
+                const vf16 qd = qt[d];
+                for (int j = 0; j < KB; ++j) a[j] += kbuf[j0 + j][d] * qd;
+            }
+            for (int j = 0; j < KB; ++j) s[j0 + j] = a[j];
         }
     } else {
+        for (int j = 0; j < KEY_TILE; ++j) s[j] = vf16{};
         for (int d = 0; d < DC; ++d)
             for (int64_t j = 0; j < nk; ++j) s[j] += kbuf[j][d] * qt[d];
     }

@@ -12,6 +12,14 @@ typedef float vf16 __attribute__((vector_size(64)));
 typedef float vf16u __attribute__((vector_size(64), aligned(4)));  // for loads at any float address
 typedef int32_t vi16 __attribute__((vector_size(64)));
 
+// How many vf16 values the vector registers hold: loops that keep many sums in registers size their blocks by
+// it (on AVX2 a block sized for AVX-512 spills every sum to the stack: chunk attention ran 5x slower).
+#ifdef __AVX512F__
+constexpr int VF16_REGS = 32;
+#else
+constexpr int VF16_REGS = 8;
+#endif
+
 inline vf16 load16(const float* p) { return *reinterpret_cast<const vf16u*>(p); }
 inline void store16(float* p, vf16 v) { *reinterpret_cast<vf16u*>(p) = v; }
 
@@ -77,7 +85,8 @@ template <int DC, int LD>
 inline void scale_accumulate(float (*acc)[LD], const float* alpha, const float* p, int64_t p_row, int64_t p_key,
                              const float* const* vrow, int64_t nv, int64_t rows) {
     static_assert(DC % 16 == 0 && DC <= LD, "head dim a multiple of 16");
-    constexpr int C = DC / 16, RB = C <= 4 ? 4 : 2;  // RB * C accumulators + C V vectors in 32 registers
+    // RB * C accumulators + C V vectors in the registers (AVX2: one row at a time)
+    constexpr int C = DC / 16, RB = VF16_REGS < 32 ? 1 : C <= 4 ? 4 : 2;
     int64_t r = 0;
     for (; r + RB <= rows; r += RB) {
         vf16 av[RB][C];
