@@ -21,6 +21,7 @@ FAULT_ENV = "MIXSERVE_FAULT_STEP"
 RESTART_WINDOW_S = 60.0
 MIN_STEP_TIMEOUT_S = 60.0
 STEP_TIMEOUT_FACTOR = 10.0
+SLOW_STEP_S = 0.05  # `N:slow`: what each step from N on is lengthened to at least
 
 
 class InjectedFault(RuntimeError):
@@ -30,11 +31,14 @@ class InjectedFault(RuntimeError):
 @dataclass
 class Failpoint:
     """`MIXSERVE_FAULT_STEP=N` makes step N (counted from 1 by the server's step loop) raise once;
-    `N:hang` makes it block instead, as a kernel that never returns would. Unset: nothing happens."""
+    `N:hang` makes it block instead, as a kernel that never returns would; `N:slow` makes every step from
+    N on wait SLOW_STEP_S first, so that a test's requests outlast a deadline on however fast a machine.
+    Unset: nothing happens."""
 
     step: int = 0
     hang: bool = False
     fired: bool = False
+    slow: bool = False
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Failpoint:
@@ -42,11 +46,15 @@ class Failpoint:
         if not raw:
             return cls()
         number, _, mode = raw.partition(":")
-        if not number.isdigit() or int(number) < 1 or mode not in ("", "raise", "hang"):
-            raise ValueError(f"{FAULT_ENV}: expected N or N:hang with N >= 1, got {raw!r}")
-        return cls(int(number), hang=mode == "hang")
+        if not number.isdigit() or int(number) < 1 or mode not in ("", "raise", "hang", "slow"):
+            raise ValueError(f"{FAULT_ENV}: expected N, N:hang or N:slow with N >= 1, got {raw!r}")
+        return cls(int(number), hang=mode == "hang", slow=mode == "slow")
 
     def check(self, step: int) -> None:
+        if self.slow:
+            if self.step and step >= self.step:
+                time.sleep(SLOW_STEP_S)  # a slow kernel, injected: not synchronisation
+            return
         if self.fired or step != self.step:
             return
         self.fired = True

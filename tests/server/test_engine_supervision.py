@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
 from mixserve.engine.async_engine import AsyncEngine, EngineBusyError, EngineDeadError
 from mixserve.engine.sampling_params import SamplingParams
-from mixserve.engine.supervision import Failpoint, InjectedFault, RestartBudget, step_timeout
+from mixserve.engine.supervision import SLOW_STEP_S, Failpoint, InjectedFault, RestartBudget, step_timeout
 from mixserve.metrics import ServerMetrics
 from tests.server.fake_engine import FakeEngine
 from tests.server.test_async_engine import drain, until
@@ -19,6 +20,7 @@ def test_failpoint_reads_its_environment_variable():
     assert Failpoint.from_env({}) == Failpoint()
     assert Failpoint.from_env({"MIXSERVE_FAULT_STEP": "3"}) == Failpoint(3)
     assert Failpoint.from_env({"MIXSERVE_FAULT_STEP": "5:hang"}) == Failpoint(5, hang=True)
+    assert Failpoint.from_env({"MIXSERVE_FAULT_STEP": "1:slow"}) == Failpoint(1, slow=True)
     for bad in ("0", "x", "2:explode", "-1"):
         with pytest.raises(ValueError, match="MIXSERVE_FAULT_STEP"):
             Failpoint.from_env({"MIXSERVE_FAULT_STEP": bad})
@@ -27,6 +29,12 @@ def test_failpoint_reads_its_environment_variable():
     with pytest.raises(InjectedFault):
         point.check(2)
     point.check(2)  # once only
+    slow = Failpoint(2, slow=True)
+    for step in (1, 2, 3):
+        slow.check(step)  # never raises
+    clock = time.monotonic()
+    slow.check(4)
+    assert time.monotonic() - clock >= SLOW_STEP_S
 
 
 def test_restart_budget_counts_restarts_within_its_window():

@@ -111,7 +111,9 @@ def test_a_hung_step_ends_its_streams_and_the_server_exits_non_zero(tiny_model_d
 
 
 def test_sigterm_past_the_grace_period_ends_every_response_properly(tiny_model_dir, tmp_path):
-    server = start_server(tiny_model_dir, tmp_path / "stderr.log", "--shutdown-timeout", "1")
+    # every step >= 50 ms (the slow failpoint): 900 tokens take >= 45 s, far past the 1 s grace on any CPU
+    server = start_server(tiny_model_dir, tmp_path / "stderr.log", "--shutdown-timeout", "1",
+                          env={"MIXSERVE_FAULT_STEP": "1:slow"})
     body = {"prompt": "keep going", "max_tokens": 900, "ignore_eos": True}
     streams = [([], threading.Event()) for _ in range(2)]
     plain: list[httpx.Response] = []
