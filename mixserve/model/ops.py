@@ -249,6 +249,7 @@ class CpuFeatures:
     avx512_bf16: bool  # AVX512-BF16: bf16 dot products (Cooper Lake, Zen 4 and later)
     amx_bf16: bool  # AMX tiles (Sapphire Rapids and later): bf16 GEMMs several times fp32's rate
     capability: str  # torch.backends.cpu.get_cpu_capability(): the vector ISA torch's own kernels use
+    vendor: str = ""  # /proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD): MKL's fast paths are Intel's
 
     @property
     def fast_bf16(self) -> bool:
@@ -261,18 +262,21 @@ class CpuFeatures:
 
 @functools.cache
 def cpu_features(cpuinfo: str = "/proc/cpuinfo") -> CpuFeatures:
-    """Read the CPU's flags once (Linux); elsewhere neither bf16 feature is claimed."""
+    """Read the CPU's vendor and flags once (Linux); elsewhere neither bf16 feature is claimed."""
     flags: set[str] = set()
+    vendor = ""
     try:
         with open(cpuinfo) as f:
             for line in f:
+                if line.startswith("vendor_id") and not vendor:
+                    vendor = line.split(":", 1)[1].strip()
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
                     break
     except OSError:
         pass
     return CpuFeatures(avx512_bf16="avx512_bf16" in flags, amx_bf16="amx_bf16" in flags,
-                       capability=torch.backends.cpu.get_cpu_capability())
+                       capability=torch.backends.cpu.get_cpu_capability(), vendor=vendor)
 
 
 def log_bf16_on_cpu(features: CpuFeatures, dtype: torch.dtype) -> bool:

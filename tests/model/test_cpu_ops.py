@@ -62,10 +62,12 @@ def test_without_mkl_float32_takes_onednn(monkeypatch) -> None:
 
 def test_mkl_packed_gemm_passes_its_start_up_check_here() -> None:
     assert mkl_linear.broken() is None
-    # taken on AVX-512 CPUs; on others oneDNN's is faster, and the reason names the CPU
-    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-    assert MKL_HERE == avx512
-    assert avx512 or "slower than oneDNN's" in mkl_linear.unavailable()
+    # taken on Intel's AVX-512 CPUs; on others oneDNN's is faster, and the reason names the CPU
+    cpu = ops.cpu_features()
+    intel_avx512 = cpu.vendor == "GenuineIntel" and cpu.capability.startswith("AVX512")
+    assert MKL_HERE == intel_avx512
+    assert intel_avx512 or ("slower than oneDNN's" in mkl_linear.unavailable()
+                            and cpu.capability in mkl_linear.unavailable())
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -139,10 +141,10 @@ def test_missing_mkldnn_ops_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cpu_features_and_the_bf16_log_line(tmp_path: Path, flags: str, fast: bool,
                                             caplog: pytest.LogCaptureFixture) -> None:
     info = tmp_path / "cpuinfo"
-    info.write_text(f"processor\t: 0\nmodel name\t: test\nflags\t\t: {flags}\n\n"
-                    f"processor\t: 1\nflags\t: {flags}\n")
+    info.write_text(f"processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: test\nflags\t\t: {flags}\n\n"
+                    f"processor\t: 1\nvendor_id\t: AuthenticAMD\nflags\t: {flags}\n")
     features = ops.cpu_features.__wrapped__(str(info))
-    assert features.fast_bf16 is fast
+    assert features.fast_bf16 is fast and features.vendor == "AuthenticAMD"
     with caplog.at_level(logging.WARNING, logger="mixserve"):
         assert ops.log_bf16_on_cpu(features, torch.float32) is False  # fp32: nothing to say
         assert ops.log_bf16_on_cpu(features, torch.bfloat16) is not fast
@@ -151,6 +153,21 @@ def test_cpu_features_and_the_bf16_log_line(tmp_path: Path, flags: str, fast: bo
         assert lines == []
     else:
         assert len(lines) == 1 and "AVX512-BF16 or AMX" in lines[0] and "not faster" in lines[0]
+
+
+@pytest.mark.parametrize(("vendor", "capability", "mkl"), [
+    ("GenuineIntel", "AVX512", True), ("GenuineIntel", "AVX2", False), ("AuthenticAMD", "AVX512", False),
+    ("AuthenticAMD", "AVX2", False), ("", "AVX512", False)])
+def test_mkl_takes_the_float32_linears_only_on_intels_avx512_cpus(
+        monkeypatch: pytest.MonkeyPatch,
+        vendor: str, capability: str, mkl: bool) -> None:
+    if mkl_linear.broken() is not None:
+        pytest.skip(f"MKL's packed GEMM is not usable in this torch: {mkl_linear.broken()}")
+    fake = ops.CpuFeatures(avx512_bf16=False, amx_bf16=False, capability=capability, vendor=vendor)
+    monkeypatch.setattr(ops, "cpu_features", lambda: fake)
+    why = mkl_linear.unavailable.__wrapped__()  # the cached answer is this CPU's
+    assert (why is None) == mkl
+    assert mkl or (capability in why and (vendor or "vendor unknown") in why)
 
 
 def test_this_machines_flags_are_read() -> None:

@@ -87,8 +87,8 @@ def test_cpu_ops_route_few_rows_to_the_panels_and_more_to_the_gemm(monkeypatch: 
         want = F.linear(x.float(), w.float(), b.float())
         torch.testing.assert_close(cpu.linear(x, packed, b).float(), want, rtol=tol, atol=tol)
     assert seen == [1, most]  # more rows than that run MKL's (oneDNN's) packed GEMM
-    if dtype == torch.float32:  # 32 rows with AVX-512's 64-column panels, 128 with AVX2's 16 (few_row_simd.h)
-        assert most == (32 if few_row_linear.panel_width() == 64 else 128)
+    if dtype == torch.float32:  # 128 rows against oneDNN (few_row_simd.h), 32 where MKL takes the rest
+        assert most == (mkl_linear.MKL_FEW_ROWS if fp32 is mkl_linear.MklPacked else 128)
 
 
 def test_without_the_kernel_the_gemm_takes_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:

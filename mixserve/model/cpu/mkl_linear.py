@@ -16,6 +16,7 @@ are ever touched: resident memory equals the plain weights' (30 layers of the de
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from mixserve.model.cpu import few_row_linear
 
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
 _PACK_ROWS_HINT = 256  # the row count the packing is told; every other count computes on the same buffer
+MKL_FEW_ROWS = 32  # the panels' rows where MKL takes the rest: MKL is as fast as the panels from 48 on a Xeon
 _I, _P, _F = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 
 
@@ -65,7 +67,10 @@ def pack(w: Tensor, few_rows: bool = False) -> MklPacked:
     # B = weight.T (k x n), handed over as the row-major (n x k) weight with transb
     lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, _PACK_ROWS_HINT, n, k, 1.0, w.data_ptr(), k,
                          buffer.data_ptr())
-    return MklPacked(w, buffer, n, k, few_row_linear.pack(w) if few_rows else None)
+    few = few_row_linear.pack(w) if few_rows else None
+    if few is not None:
+        few = dataclasses.replace(few, max_rows=min(few.max_rows, MKL_FEW_ROWS))
+    return MklPacked(w, buffer, n, k, few)
 
 
 def linear(x: Tensor, w: MklPacked, bias: Tensor | None) -> Tensor:
@@ -106,13 +111,17 @@ def broken() -> str | None:
 @functools.cache
 def unavailable() -> str | None:
     """None when the float32 linears take MKL's packed GEMM here, else why not (one line): it must work
-    (`broken`), and the CPU must be one where it beats oneDNN's. That is an AVX-512 CPU (the table above;
-    Zen 5 alike). On an AVX2-only Zen 3 MKL takes a slower path: 0.75-0.9x oneDNN's rate at 8-1024 rows
-    (2026-12-02, 30 layers of the default model's four shapes cycled from memory), so oneDNN takes them."""
+    (`broken`), and the CPU must be one where it beats oneDNN's: an Intel CPU with AVX-512 (the table above).
+    MKL keeps its AVX-512 kernels for Intel's CPUs: on AMD it runs slower code paths, measured 2026-12-02 at
+    0.75-0.9x oneDNN's rate on an AVX2 Zen 3 and 0.40-0.45x on an AVX-512 Zen 5 (8-512 rows, 30 layers of
+    the default model's four shapes cycled from memory), so oneDNN takes them there."""
     why = broken()
     if why is not None:
         return why
-    capability = torch.backends.cpu.get_cpu_capability()
-    if not capability.startswith("AVX512"):
-        return f"MKL's packed GEMM is slower than oneDNN's on this CPU ({capability})"
+    from mixserve.model.ops import cpu_features
+
+    cpu = cpu_features()
+    if cpu.vendor != "GenuineIntel" or not cpu.capability.startswith("AVX512"):
+        return f"MKL's packed GEMM is slower than oneDNN's on this CPU ({cpu.vendor or 'vendor unknown'}, " \
+               f"{cpu.capability})"
     return None
