@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -26,7 +25,7 @@ from mixserve.engine.stats_log import EngineStats, StatsLog
 from mixserve.engine.step_cost import StepCost
 from mixserve.engine.step_trace import StepTrace
 from mixserve.engine.structured import Grammars, StepMasks
-from mixserve.engine.threads import available_cores, bind_threads, bound_while_loading, set_threads
+from mixserve.engine.threads import available_cores, bind_threads, load_on_own_thread, set_threads
 from mixserve.runner.sampler import Sampler
 
 
@@ -104,11 +103,8 @@ class LLMEngine:
 
             runner, cfg = start_tensor_parallel(cfg, device.type, available_cores())
             return cls(runner, cfg)
-        # bound while loading (its parallel work runs one thread per core), then this thread is let go:
-        # it may go on to run the server's event loop, which must stay off the compute core (threads.py)
-        loading = bound_while_loading(set_threads(cfg.threads)) if device.type == "cpu" else nullcontext()
-        with loading:
-            runner = ModelRunner.from_pretrained(
+        def load() -> ModelRunner:
+            return ModelRunner.from_pretrained(
                 cfg.model or None,
                 num_blocks=cfg.num_blocks,
                 block_size=cfg.block_size,
@@ -120,6 +116,10 @@ class LLMEngine:
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
                 max_num_seqs=cfg.max_num_seqs,  # the largest decode batch a CUDA graph is captured for
             )
+
+        # on the CPU on a bound thread of its own that then ends (threads.py: one OpenMP pool at a time);
+        # this thread stays free to run the server's event loop, off the compute core
+        runner = load_on_own_thread(load, set_threads(cfg.threads)) if device.type == "cpu" else load()
         return cls(runner, cfg)  # its first step() binds whichever thread steps, this one too (offline)
 
     # ---- requests in and out -------------------------------------------------------------------

@@ -46,9 +46,14 @@ from mixserve.engine import LLMEngine, SamplingParams
 from mixserve.engine.async_engine import AsyncEngine
 from mixserve.engine.threads import available_cores
 
+def pinned():  # the threads held to one core: a bound OpenMP pool's master and workers
+    masks = [os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")]
+    return sorted(next(iter(m)) for m in masks if len(m) == 1)
+
 engine = LLMEngine.from_config(EngineConfig(model=sys.argv[1], device="cpu", threads=0, num_blocks=64,
                                             block_size=4, attention_backend="torch"))
 after_load = sorted(os.sched_getaffinity(0))  # the thread that goes on to run the event loop
+pinned_after_load = pinned()  # the loading thread's pool ended with its thread
 
 async def serve_one():
     served = AsyncEngine(engine)
@@ -60,25 +65,30 @@ async def serve_one():
     loop = sorted(os.sched_getaffinity(0))  # the event loop's thread, while the step thread lives
     helper = await asyncio.to_thread(lambda: sorted(os.sched_getaffinity(0)))  # a thread the loop starts
     stepper = sorted(os.sched_getaffinity(step))
+    serving = pinned()
     await served.stop()
-    return loop, helper, stepper
+    return loop, helper, stepper, serving
 
-print(json.dumps([available_cores(), after_load, *asyncio.run(serve_one())]))
+print(json.dumps([available_cores(), after_load, pinned_after_load, *asyncio.run(serve_one())]))
 """
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or (os.cpu_count() or 1) < 2,
                     reason="needs Linux and at least two cores")
 def test_event_loop_thread_is_not_left_on_the_compute_core(tiny_model_dir) -> None:
-    """from_config binds the loading thread, then frees it: in `mixserve serve` it runs the event loop.
+    """from_config loads on a bound thread of its own that ends: in `mixserve serve` the calling thread
+    runs the event loop, never pinned, and the step thread's pool is the only one (threads.py says why).
 
     The step thread alone holds the first core; the loop's thread, and the threads it starts, may run on
-    every core (threads.py says why).
+    every core; no thread of the loading pool outlives the load.
     """
     out = subprocess.run([sys.executable, "-c", SERVE_SCRIPT, str(tiny_model_dir)], capture_output=True,
                          text=True, timeout=300, check=True)
-    cores, after_load, loop, helper, stepper = json.loads(out.stdout.strip().splitlines()[-1])
+    cores, after_load, pinned_after_load, loop, helper, stepper, serving = json.loads(
+        out.stdout.strip().splitlines()[-1])
     if len(cores) < 2:
         pytest.skip("this process may use only one core")
     assert after_load == cores and loop == cores and helper == cores
+    assert pinned_after_load == []  # the loading pool ended with its thread
     assert stepper == cores[:1]  # the step thread did pin itself to the compute core
+    assert serving == cores  # one pool: the step thread and one worker per other core, no second pool
