@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable
 from functools import cache
 from typing import TypeVar
@@ -122,9 +123,19 @@ def load_on_own_thread(load: Callable[[], T], n: int) -> T:
     thread = threading.Thread(target=run, name="mixserve-load", daemon=True)
     thread.start()
     thread.join()
+    _wait_gone(thread.native_id)
     if error:
         raise error[0]
     return result[0]
+
+
+def _wait_gone(native_id: int | None, deadline_s: float = 5.0) -> None:
+    """Wait until the OS thread `native_id` has exited. Thread.join returns when its Python code is done;
+    libgomp frees the thread's pool (and stops counting its workers) in a destructor that runs after that,
+    as the thread exits."""
+    end = time.monotonic() + deadline_s
+    while native_id is not None and os.path.exists(f"/proc/self/task/{native_id}") and time.monotonic() < end:
+        time.sleep(0.001)
 
 
 def _task_ids() -> set[int]:

@@ -39,7 +39,7 @@ def test_threads_zero_binds_one_thread_per_core() -> None:
 
 
 SERVE_SCRIPT = """
-import asyncio, json, os, sys
+import asyncio, json, os, sys, time
 os.sched_setaffinity(0, range(os.cpu_count()))
 from mixserve.config import EngineConfig
 from mixserve.engine import LLMEngine, SamplingParams
@@ -47,13 +47,24 @@ from mixserve.engine.async_engine import AsyncEngine
 from mixserve.engine.threads import available_cores
 
 def pinned():  # the threads held to one core: a bound OpenMP pool's master and workers
-    masks = [os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")]
+    masks = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            masks.append(os.sched_getaffinity(int(t)))
+        except OSError:  # a thread that exited meanwhile
+            pass
     return sorted(next(iter(m)) for m in masks if len(m) == 1)
+
+def pinned_settled():  # a freed pool's workers exit on their own, just after their master: wait for that
+    end = time.monotonic() + 10
+    while pinned() and time.monotonic() < end:
+        time.sleep(0.01)
+    return pinned()
 
 engine = LLMEngine.from_config(EngineConfig(model=sys.argv[1], device="cpu", threads=0, num_blocks=64,
                                             block_size=4, attention_backend="torch"))
 after_load = sorted(os.sched_getaffinity(0))  # the thread that goes on to run the event loop
-pinned_after_load = pinned()  # the loading thread's pool ended with its thread
+pinned_after_load = pinned_settled()  # the loading thread's pool ended with its thread
 
 async def serve_one():
     served = AsyncEngine(engine)
