@@ -1,10 +1,12 @@
 """Decode-sized linears with the weights coming from memory: the panels (mixserve/model/cpu/few_row_linear.py)
-against the GEMM the CPU ops use without them (MKL in float32, oneDNN in bf16; torch.mv at one row).
+against the GEMM the CPU ops use without them (float32: MKL on Intel's AVX-512 CPUs, else oneDNN; bf16:
+oneDNN; torch.mv at one row).
 
 Not a test. Run: .venv/bin/python bench/few_row_gemm.py [--dtype bfloat16] [--repeats 5]
 30 layers of the default model's four linear shapes, random weights, cycled so that each call reads its weight
 from memory as a forward does; ms per 120 calls, best of the repeats, the two alternated. Rows above the
-weight's `few.max_rows` (32 in float32; bf16: 32 with AMX, else 8) run the same GEMM in both columns.
+weight's `few.max_rows` (float32 128, 32 beside MKL; bf16 64 on AMX tiles, 256 without AMX) run the same GEMM
+in both columns.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from mixserve.engine.threads import bind_threads, set_threads  # noqa: E402
 from mixserve.model import ops  # noqa: E402
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o_proj, gate_up, down (n, k)
-LAYERS, ROWS = 30, (1, 2, 4, 8, 16, 24, 32, 48, 64)
+LAYERS, ROWS = 30, (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Linears of few rows (decode steps) as one C++ call on weights laid out once in column panels.
 
-A decode step's GEMMs have 1..32 rows: there MKL's packed GEMM reads each weight from memory and then
+A decode step's GEMMs have 1..64 rows: there MKL's packed GEMM reads each weight from memory and then
 computes, one after the other (~150 GFLOP/s and ~10 GB/s at 32 rows, where the machine has twice each), and
 so does oneDNN's in bf16. csrc/few_row_linear.cpp streams the weight in order and prefetches the next panel
 while it computes this one. Measured here (2-core Xeon, AVX-512, AVX512-BF16, AMX; 30 layers of the default
@@ -24,8 +24,13 @@ few rows, so they pay more: MKL -> panels, float32, the same bench:
         rows 1: 58.2 -> 27.6   4: 112.4 -> 25.6   8: 127.5 -> 29.4   16: 161.5 -> 46.4   32: 152.2 -> 63.4
     and against oneDNN (which float32 takes there instead of MKL, mkl_linear.unavailable), 30 layers cycled:
         rows 8: 71.5 -> 33.5   32: 94.5 -> 68.6   64: 146.3 -> 106.6   96: 195.4 -> 185.5, a tie to 256
-So the kernel says how many rows a weight takes (`max_rows`: float32 32 with AVX-512, 128 with AVX2; bf16 64
-with AMX and k a multiple of 32, else 8); above it MKL / oneDNN keep every row count (prefill chunks).
+On an AVX-512 Zen 5 without AMX (2026-12-02; MKL is slow there too, so oneDNN takes the rest), oneDNN ->
+panels, the same 30 layers cycled: float32 rows 8: 13.9 -> 12.6   32: 24.7 -> 18.9   128: 70.5 -> 66.8,
+256: 129.0 -> 134.1; bf16 (oneDNN runs the same vdpbf16ps there) rows 8: 8.6 -> 7.0   32: 14.3 -> 11.2
+128: 37.9 -> 34.3   256: 68.3 -> 64.2   512: 134.9 -> 133.0.
+So the kernel says how many rows a weight takes (`max_rows`: float32 128 against oneDNN, capped at 32 where
+MKL takes the rest (mkl_linear.py); bf16 64 with AMX and k a multiple of 32, 8 beside oneDNN's AMX GEMM
+otherwise, 256 on a CPU without AMX); above it MKL / oneDNN keep every row count (prefill chunks).
 The panels are a second copy of each linear weight (the default model: +0.54 GB resident in float32, +0.27
 in bf16); the decision is the runner's, once, through `ops.cpu_ops`: panels exist only where the kernels
 built with AVX-512 or AVX2 (elsewhere `panel_width()` is 0 and nothing is packed), bf16 ones only with
