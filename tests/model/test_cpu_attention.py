@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mixserve.core.batch import ForwardBatch, ForwardSeq
+from mixserve.model import ops
 from mixserve.model.attention import get_backend
 from mixserve.model.attention.cpu_paged import CpuPagedAttention
 from mixserve.model.cpu import build as cpu_build
@@ -85,10 +86,13 @@ def test_long_contexts_and_chunks_match_the_definition(hq: int, hkv: int, d: int
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (6, 3, 128), (4, 2, 80), (16, 16, 128)])
 @pytest.mark.parametrize("bs", [1, 4, 16])
 def test_bfloat16_mixed_batches_match_the_definition(hq: int, hkv: int, d: int, bs: int) -> None:
-    # Inputs are bf16 and the kernel computes in float32: the only loss is rounding the output to bf16
-    # (8 bits of mantissa: 2^-8 relative on values of magnitude up to ~2).
+    # Inputs are bf16 and the sums float32: rounding the output to bf16 loses 2^-8 relative on values of
+    # magnitude up to ~2. With AVX512-BF16 (head dims a multiple of 32) P.V runs vdpbf16ps on probabilities
+    # rounded to bf16, as torch's own CPU flash attention does for bf16 (its attn_reduced copy): that adds
+    # at most 2^-9 * sum_j p_j |v_j| <= 2^-9 * max |v| (under 4.5 for these N(0, 1) values, ~100 keys).
+    tol = 2 ** -8 * 2 + (2 ** -9 * 4.5 if ops.cpu_features().avx512_bf16 and d % 32 == 0 else 0.0)
     for seed in range(3):
-        assert run_random_batch(seed, hq, hkv, d, bs, torch.bfloat16) < 2 ** -8 * 2
+        assert run_random_batch(seed, hq, hkv, d, bs, torch.bfloat16) < tol
 
 
 def test_a_shape_the_kernel_cannot_take_is_a_clear_error() -> None:

@@ -1,10 +1,13 @@
 // The paged attention kernel's decode item: one query token over every KV head of its sequence (float32, and
-// bfloat16 computed in float32 where a key's row of every KV head fits MAX_DECODE_ROW floats).
+// bfloat16 where a key's row of every KV head fits MAX_DECODE_ROW floats: its products through vdpbf16ps
+// where the CPU has AVX512-BF16, bf16_dot.h, else widened to float32).
 #pragma once
 #include <stdint.h>
 
 #include <algorithm>
+#include <type_traits>
 
+#include "bf16_dot.h"
 #include "common.h"
 #include "paged_tiles.h"
 #include "softmax16.h"
@@ -77,6 +80,9 @@ void attend_decode(const Item& it, const T* q, const T* k_cache, const T* v_cach
     constexpr int64_t W = sizeof(T) == sizeof(float) ? 1 : MAX_DECODE_ROW;
     alignas(64) float kw[KEY_TILE][W];
     alignas(64) float vw[KEY_TILE][W];
+    // bf16 with AVX512-BF16: scores and P.V by vdpbf16ps on K and V as they lie in the cache (bf16_dot.h)
+    constexpr bool DOT = BF16_DOT && !std::is_same_v<T, float> && DC % 32 == 0;
+    const T *kraw[KEY_TILE], *kq[KEY_TILE], *vraw[KEY_TILE], *vq[KEY_TILE];
     for (int64_t h = 0; h < rows; ++h) {
         const T* src = q + it.q_begin * sh.q_stride_t + h * sh.q_stride_h;
         for (int64_t d = 0; d < DC; ++d) qs[h][d] = load(src + d) * sh.scale, acc[h][d] = 0.f;
@@ -96,12 +102,26 @@ void attend_decode(const Item& it, const T* q, const T* k_cache, const T* v_cach
         const int64_t nk = std::min<int64_t>(KEY_TILE, ctx - k0);
         feed.aim(k_cache, v_cache, table, k0 + PREFETCH_TILES * KEY_TILE, ctx, kv_row, sh);
         const int64_t dose = (feed.total() + pieces - 1) / pieces;
-        whole_rows<T, W>(k_cache, table, k0, nk, kv_row, sh, kw, krow);
-        whole_rows<T, W>(v_cache, table, k0, nk, kv_row, sh, vw, vrow);
+        if constexpr (DOT) {
+            raw_rows(k_cache, table, k0, nk, kv_row, 0, sh, kraw);
+            raw_rows(v_cache, table, k0, nk, kv_row, 0, sh, vraw);
+        } else {
+            whole_rows<T, W>(k_cache, table, k0, nk, kv_row, sh, kw, krow);
+            whole_rows<T, W>(v_cache, table, k0, nk, kv_row, sh, vw, vrow);
+        }
         for (int64_t hk = 0; hk < nkv; ++hk) {
-            for (int64_t j = 0; j < nk; ++j) kh[j] = krow[j] + hk * DC;
+            if constexpr (DOT) {
+                for (int64_t j = 0; j < nk; ++j) kq[j] = kraw[j] + hk * DC;
+            } else {
+                for (int64_t j = 0; j < nk; ++j) kh[j] = krow[j] + hk * DC;
+            }
             for (int64_t g = 0; g < G; ++g) {
-                few_row_scores<DC, DC>(qs + hk * G + g, kh, 1, nk, sc + hk * G + g);
+                const int64_t h = hk * G + g;
+                if constexpr (DOT)
+                    row_scores_bf16<DC>(q + it.q_begin * sh.q_stride_t + h * sh.q_stride_h, kq, nk, sh.scale,
+                                        sc[h]);
+                else
+                    few_row_scores<DC, DC>(qs + h, kh, 1, nk, sc + h);
                 feed.issue(dose);
             }
         }
@@ -110,8 +130,13 @@ void attend_decode(const Item& it, const T* q, const T* k_cache, const T* v_cach
             feed.issue(dose);
         }
         for (int64_t hk = 0; hk < nkv; ++hk) {
-            for (int64_t j = 0; j < nk; ++j) vh[j] = vrow[j] + hk * DC;
-            scale_accumulate<DC, DC>(acc + hk * G, alpha_r + hk * G, sc[hk * G], KEY_TILE, 1, vh, nk, G);
+            if constexpr (DOT) {
+                for (int64_t j = 0; j < nk; ++j) vq[j] = vraw[j] + hk * DC;
+                scale_accumulate_bf16<DC>(acc + hk * G, alpha_r + hk * G, sc[hk * G], KEY_TILE, 1, vq, nk, G);
+            } else {
+                for (int64_t j = 0; j < nk; ++j) vh[j] = vrow[j] + hk * DC;
+                scale_accumulate<DC, DC>(acc + hk * G, alpha_r + hk * G, sc[hk * G], KEY_TILE, 1, vh, nk, G);
+            }
             feed.issue(dose);
         }
     }

@@ -46,6 +46,18 @@ inline void tile_rows(const T* cache, const int64_t* table, int64_t k0, int64_t 
     }
 }
 
+// Pointers to the rows of keys [k0, k0 + nk) as they lie in the cache (any dtype; kv_row: elements a key's
+// row of every KV head takes, head_off: where the wanted head's row starts in it).
+template <typename T>
+inline void raw_rows(const T* cache, const int64_t* table, int64_t k0, int64_t nk, int64_t kv_row,
+                     int64_t head_off, const Shape& sh, const T** rows) {
+    int64_t blk = k0 / sh.block_size, off = k0 % sh.block_size;
+    for (int64_t j = 0; j < nk; ++j, ++off) {
+        if (off == sh.block_size) off = 0, ++blk;
+        rows[j] = cache + (table[blk] * sh.block_size + off) * kv_row + head_off;
+    }
+}
+
 // Asks for the rows of keys [k0, k0 + nk) of one KV head ahead of their use. Each row is a short run (head_dim
 // elements) at a stride of num_kv_heads rows, which the hardware prefetchers follow poorly: without this a
 // decode waited on memory at each key tile (~20% of its attention time here).

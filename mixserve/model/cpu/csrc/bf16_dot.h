@@ -1,0 +1,157 @@
+// bfloat16 attention scores through vdpbf16ps (AVX512-BF16): each instruction multiplies 16 pairs of bf16 and
+// adds both products to 16 float32 sums, so a score takes half the instructions of widening K to float32 and
+// using FMAs, and K is read from the cache as it lies (no widened copy per tile). Products of two bf16 are
+// exact in float32 and the sums are float32's; the softmax scale is applied to the float32 score, not folded
+// into a bf16 q (which would round it).
+#pragma once
+#include <stdint.h>
+#include <string.h>
+
+#include "paged_tiles.h"
+#include "vec16.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define MIXSERVE_BF16_DOT 1
+#endif
+
+namespace mixserve {
+
+#ifdef MIXSERVE_BF16_DOT
+constexpr bool BF16_DOT = true;
+
+inline vf16 dot_pairs(vf16 acc, vi16 a, vi16 b) {
+    return (vf16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
+}
+inline vi16 load_pairs(const uint16_t* p) { return (vi16)_mm512_loadu_si512(p); }
+inline vi16 broadcast_pair(const uint16_t* p) {  // elements p[0], p[1] in every 32-bit lane
+    int32_t pair;
+    memcpy(&pair, p, sizeof pair);
+    return (vi16)_mm512_set1_epi32(pair);
+}
+
+// sc[j] = scale * q . krow[j] (DC elements, bf16) for j < nk, 0 past nk: one query row against a key tile,
+// the sums folded as few_row_scores folds them.
+template <int DC>
+inline void row_scores_bf16(const uint16_t* q, const uint16_t* const* krow, int64_t nk, float scale, float* sc) {
+    static_assert(DC % 32 == 0, "head dim a multiple of 32");
+    constexpr int C = DC / 32;
+    vi16 qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = load_pairs(q + 32 * c);
+    vf16 p[16];
+    for (int64_t j = 0; j < 16; ++j) {
+        vf16 a = {};
+        if (j < nk)
+            for (int c = 0; c < C; ++c) a = dot_pairs(a, qv[c], load_pairs(krow[j] + 32 * c));
+        p[j] = a;
+    }
+    vf16 a8[8], a4[4], a2[2];
+    for (int i = 0; i < 8; ++i) a8[i] = fold8(p[2 * i], p[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) a4[i] = fold4(a8[2 * i], a8[2 * i + 1]);
+    for (int i = 0; i < 2; ++i) a2[i] = fold2(a4[2 * i], a4[2 * i + 1]);
+    store16(sc, fold1(a2[0], a2[1]) * scale);
+}
+
+// s[j] = scale * K[key j] . q (lanes: a group's 16 query rows) for j < nk, key-major as the chunk item keeps
+// them; qp[d/2] lane i holds row i's q elements d, d + 1 (a pair), krow[j] the key's bf16 row in the cache.
+template <int DC>
+inline void key_major_scores_bf16(const uint16_t* const* krow, int64_t nk, const vi16* qp, float scale, vf16* s) {
+    constexpr int KB = 8;  // keys a pass: 8 sums, a broadcast and the q pairs' reads in 32 registers
+    int64_t j0 = 0;
+    for (; j0 + KB <= nk; j0 += KB) {
+        vf16 a[KB] = {};
+        for (int d = 0; d < DC; d += 2) {
+            const vi16 qd = qp[d / 2];
+            for (int j = 0; j < KB; ++j) a[j] = dot_pairs(a[j], broadcast_pair(krow[j0 + j] + d), qd);
+        }
+        for (int j = 0; j < KB; ++j) s[j0 + j] = a[j] * scale;
+    }
+    for (; j0 < nk; ++j0) {
+        vf16 a = {};
+        for (int d = 0; d < DC; d += 2) a = dot_pairs(a, broadcast_pair(krow[j0] + d), qp[d / 2]);
+        s[j0] = a * scale;
+    }
+}
+
+// The bf16 bits of float32 x (round to nearest even, as float_to_bf16), in each lane's low 16 bits.
+inline vi16 bf16_bits(vf16 x) {
+    const vi16 u = (vi16)x;
+    return ((u + 0x7fff + ((u >> 16) & 1)) >> 16) & 0xffff;
+}
+
+// acc[r] = acc[r] * alpha[r] + sum_j p(r, j) * v_j for r < rows, j < nv (p(r, j) = p[r * p_row + j * p_key],
+// row-major or key-major as scale_accumulate takes it), with vdpbf16ps over pairs of keys: p is rounded to
+// bf16 (as HF's bf16 attention rounds its probabilities before P.V), the V rows are read in place (bf16) and
+// interleaved a pair of keys at a time, the sums are float32's.
+template <int DC>
+inline void scale_accumulate_bf16(float (*acc)[DC], const float* alpha, const float* p, int64_t p_row,
+                                  int64_t p_key, const uint16_t* const* vrow, int64_t nv, int64_t rows) {
+    static_assert(DC % 32 == 0, "head dim a multiple of 32");
+    constexpr int C = DC / 16, PAIRS = KEY_TILE / 2, RB = C <= 4 ? 4 : 2;
+    const int64_t np = (nv + 1) / 2;
+    alignas(64) static const uint16_t zero_row[DC] = {};
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    vi16 vp[PAIRS][C];  // vp[jj][c] lane i: V[2jj][16c + i], V[2jj + 1][16c + i]
+    for (int64_t jj = 0; jj < np; ++jj) {
+        const uint16_t* a = vrow[2 * jj];
+        const uint16_t* b = 2 * jj + 1 < nv ? vrow[2 * jj + 1] : zero_row;
+        for (int c = 0; c < C; c += 2) {
+            const __m512i x = _mm512_loadu_si512(a + 16 * c), y = _mm512_loadu_si512(b + 16 * c);
+            vp[jj][c] = (vi16)_mm512_permutex2var_epi16(x, lo, y);
+            vp[jj][c + 1] = (vi16)_mm512_permutex2var_epi16(x, hi, y);
+        }
+    }
+    alignas(64) int32_t pp[PAIRS][MAX_ROWS];  // pp[jj][r]: p(r, 2jj), p(r, 2jj + 1) as a bf16 pair
+    if (p_key == 1) {  // row-major: a row's keys side by side
+        for (int64_t r = 0; r < rows; ++r) {
+            alignas(64) uint32_t bits[KEY_TILE];
+            *reinterpret_cast<vi16*>(bits) = bf16_bits(load16(p + r * p_row));
+            for (int64_t jj = 0; jj < np; ++jj)
+                pp[jj][r] = static_cast<int32_t>(bits[2 * jj] | (2 * jj + 1 < nv ? bits[2 * jj + 1] << 16 : 0u));
+        }
+    } else {  // key-major: 16 rows side by side (rows a multiple of 16)
+        for (int64_t jj = 0; jj < np; ++jj)
+            for (int64_t r = 0; r < rows; r += 16) {
+                const vi16 a = bf16_bits(load16(p + 2 * jj * p_key + r));
+                const vi16 b = 2 * jj + 1 < nv ? bf16_bits(load16(p + (2 * jj + 1) * p_key + r)) : vi16{};
+                *reinterpret_cast<vi16*>(pp[jj] + r) = a | (b << 16);
+            }
+    }
+    int64_t r = 0;
+    for (; r + RB <= rows; r += RB) {  // RB rows' sums in registers, trip counts known
+        vf16 av[RB][C];
+        for (int i = 0; i < RB; ++i)
+            for (int c = 0; c < C; ++c) av[i][c] = load16(acc[r + i] + 16 * c) * alpha[r + i];
+        for (int64_t jj = 0; jj < np; ++jj)
+            for (int i = 0; i < RB; ++i) {
+                const vi16 w = (vi16)_mm512_set1_epi32(pp[jj][r + i]);
+                for (int c = 0; c < C; ++c) av[i][c] = dot_pairs(av[i][c], w, vp[jj][c]);
+            }
+        for (int i = 0; i < RB; ++i)
+            for (int c = 0; c < C; ++c) store16(acc[r + i] + 16 * c, av[i][c]);
+    }
+    for (; r < rows; ++r) {
+        vf16 av[C];
+        for (int c = 0; c < C; ++c) av[c] = load16(acc[r] + 16 * c) * alpha[r];
+        for (int64_t jj = 0; jj < np; ++jj) {
+            const vi16 w = (vi16)_mm512_set1_epi32(pp[jj][r]);
+            for (int c = 0; c < C; ++c) av[c] = dot_pairs(av[c], w, vp[jj][c]);
+        }
+        for (int c = 0; c < C; ++c) store16(acc[r] + 16 * c, av[c]);
+    }
+}
+#else
+constexpr bool BF16_DOT = false;
+
+template <int DC>
+inline void row_scores_bf16(const uint16_t*, const uint16_t* const*, int64_t, float, float*) {}
+template <int DC>
+inline void key_major_scores_bf16(const uint16_t* const*, int64_t, const vi16*, float, vf16*) {}
+template <int DC>
+inline void scale_accumulate_bf16(float (*)[DC], const float*, const float*, int64_t, int64_t,
+                                  const uint16_t* const*, int64_t, int64_t) {}
+#endif
+
+}  // namespace mixserve
