@@ -4,6 +4,9 @@
 // The microkernel keeps MAX_ROWS x VECS float32 sums in registers, VECS weight vectors and one broadcast
 // input beside them: AVX-512 6 x 4 (24 + 4 + 1 of 32 registers, a 64-column panel), AVX2 6 x 2 (12 + 2 + 1
 // of 16, a 16-column panel: BLIS's Haswell shape). A panel row is then 4 cache lines or 1.
+// The two blocks below mirror each other on purpose: the same names (lanes, vzero, vload, vbroadcast,
+// vfmadd, vload_masked, vstore_masked), one intrinsic each; folding them into macros would hide which
+// instruction each ISA runs.
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
