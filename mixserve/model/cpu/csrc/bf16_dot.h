@@ -79,6 +79,65 @@ inline vi16 bf16_bits(vf16 x) {
     return ((u + 0x7fff + ((u >> 16) & 1)) >> 16) & 0xffff;
 }
 
+// vp[jj][c] lane i holds V[2jj][16c + i] and V[2jj + 1][16c + i] (a bf16 pair, as vdpbf16ps takes it): the V
+// rows of a key tile interleaved a pair of keys at a time, one vpermt2w per 16 dims. Rows from nv on are zeros.
+template <int DC>
+inline void interleave_pairs(const uint16_t* const* vrow, int64_t nv, vi16 (*vp)[DC / 16]) {
+    constexpr int C = DC / 16;
+    const int64_t np = (nv + 1) / 2;
+    alignas(64) static const uint16_t zero_row[DC] = {};
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t jj = 0; jj < np; ++jj) {
+        const uint16_t* a = vrow[2 * jj];
+        const uint16_t* b = 2 * jj + 1 < nv ? vrow[2 * jj + 1] : zero_row;
+        for (int c = 0; c < C; c += 2) {
+            const __m512i x = _mm512_loadu_si512(a + 16 * c), y = _mm512_loadu_si512(b + 16 * c);
+            vp[jj][c] = (vi16)_mm512_permutex2var_epi16(x, lo, y);
+            vp[jj][c + 1] = (vi16)_mm512_permutex2var_epi16(x, hi, y);
+        }
+    }
+}
+
+// e's 16 lanes rounded to bf16 (nearest even) and stored as 8 pairs: dst[jj] holds lanes 2jj, 2jj + 1.
+inline void store_pairs_bf16(int32_t* dst, vf16 e) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh((__m512)e));
+}
+
+// R rows of acc += their pairs of probabilities (pp[i * pp_row + jj]) times a key tile's V pairs (vp): the
+// rows' sums stay in registers over the tile's 8 pairs, R x DC / 16 independent chains.
+template <int DC, int R>
+inline void pair_rows(float (*acc)[DC], const int32_t* pp, int64_t pp_row, const vi16 (*vp)[DC / 16]) {
+    constexpr int C = DC / 16;
+    vf16 av[R][C];
+    for (int i = 0; i < R; ++i)
+        for (int c = 0; c < C; ++c) av[i][c] = load16(acc[i] + 16 * c);
+    for (int jj = 0; jj < KEY_TILE / 2; ++jj)
+        for (int i = 0; i < R; ++i) {
+            const vi16 w = (vi16)_mm512_set1_epi32(pp[i * pp_row + jj]);
+            for (int c = 0; c < C; ++c) av[i][c] = dot_pairs(av[i][c], w, vp[jj][c]);
+        }
+    for (int i = 0; i < R; ++i)
+        for (int c = 0; c < C; ++c) store16(acc[i] + 16 * c, av[i][c]);
+}
+
+// acc[r] += sum over a whole key tile of p(r, j) v_j for r < rows, the probabilities already bf16 pairs
+// (pp[r * pp_row + jj]: keys 2jj, 2jj + 1; zeros past the keys) and vrow[0..16) every key's V row (a row of
+// zeros past the keys): the decode's P.V, trip counts known at compile time.
+template <int DC>
+inline void pairs_accumulate_bf16(float (*acc)[DC], const int32_t* pp, int64_t pp_row,
+                                  const uint16_t* const* vrow, int64_t rows) {
+    constexpr int RB = DC / 16 <= 4 ? 4 : 2;
+    vi16 vp[KEY_TILE / 2][DC / 16];
+    interleave_pairs<DC>(vrow, KEY_TILE, vp);
+    int64_t r = 0;
+    for (; r + RB <= rows; r += RB) pair_rows<DC, RB>(acc + r, pp + r * pp_row, pp_row, vp);
+    if (rows - r == 3) pair_rows<DC, 3>(acc + r, pp + r * pp_row, pp_row, vp);
+    if (rows - r == 2) pair_rows<DC, 2>(acc + r, pp + r * pp_row, pp_row, vp);
+    if (rows - r == 1) pair_rows<DC, 1>(acc + r, pp + r * pp_row, pp_row, vp);
+}
+
 // acc[r] = acc[r] * alpha[r] + sum_j p(r, j) * v_j for r < rows, j < nv (p(r, j) = p[r * p_row + j * p_key],
 // row-major or key-major as scale_accumulate takes it), with vdpbf16ps over pairs of keys: p is rounded to
 // bf16 (as HF's bf16 attention rounds its probabilities before P.V), the V rows are read in place (bf16) and
@@ -89,20 +148,8 @@ inline void scale_accumulate_bf16(float (*acc)[DC], const float* alpha, const fl
     static_assert(DC % 32 == 0, "head dim a multiple of 32");
     constexpr int C = DC / 16, PAIRS = KEY_TILE / 2, RB = C <= 4 ? 4 : 2;
     const int64_t np = (nv + 1) / 2;
-    alignas(64) static const uint16_t zero_row[DC] = {};
-    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     vi16 vp[PAIRS][C];  // vp[jj][c] lane i: V[2jj][16c + i], V[2jj + 1][16c + i]
-    for (int64_t jj = 0; jj < np; ++jj) {
-        const uint16_t* a = vrow[2 * jj];
-        const uint16_t* b = 2 * jj + 1 < nv ? vrow[2 * jj + 1] : zero_row;
-        for (int c = 0; c < C; c += 2) {
-            const __m512i x = _mm512_loadu_si512(a + 16 * c), y = _mm512_loadu_si512(b + 16 * c);
-            vp[jj][c] = (vi16)_mm512_permutex2var_epi16(x, lo, y);
-            vp[jj][c + 1] = (vi16)_mm512_permutex2var_epi16(x, hi, y);
-        }
-    }
+    interleave_pairs<DC>(vrow, nv, vp);
     alignas(64) int32_t pp[PAIRS][MAX_ROWS];  // pp[jj][r]: p(r, 2jj), p(r, 2jj + 1) as a bf16 pair
     if (p_key == 1) {  // row-major: a row's keys side by side
         for (int64_t r = 0; r < rows; ++r) {
@@ -152,6 +199,9 @@ inline void key_major_scores_bf16(const uint16_t* const*, int64_t, const vi16*, 
 template <int DC>
 inline void scale_accumulate_bf16(float (*)[DC], const float*, const float*, int64_t, int64_t,
                                   const uint16_t* const*, int64_t, int64_t) {}
+inline void store_pairs_bf16(int32_t*, vf16) {}
+template <int DC>
+inline void pairs_accumulate_bf16(float (*)[DC], const int32_t*, int64_t, const uint16_t* const*, int64_t) {}
 #endif
 
 }  // namespace mixserve
