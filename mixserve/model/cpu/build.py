@@ -26,7 +26,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "few_row_linear.cpp")
 HEADERS = (CSRC / "common.h", CSRC / "vec16.h", CSRC / "paged_tiles.h", CSRC / "paged_decode.h",
            CSRC / "softmax16.h", CSRC / "paged_chunk.h", CSRC / "few_row_simd.h", CSRC / "few_row_amx.h",
-           CSRC / "bf16_dot.h")
+           CSRC / "bf16_dot.h", CSRC / "paged_chunk_bf16.h")
 # The parts of -ffast-math the kernel wants (reassociated sums vectorise; it uses no infinities), named
 # one by one: -ffast-math itself links crtfastmath.o, whose start-up code turns on flush-to-zero and
 # denormals-are-zero for the whole process once the library loads, changing everyone else's numerics.

@@ -52,31 +52,50 @@ inline void row_scores_bf16(const uint16_t* q, const uint16_t* const* krow, int6
     store16(sc, fold1(a2[0], a2[1]) * scale);
 }
 
-// s[j] = scale * K[key j] . q (lanes: a group's 16 query rows) for j < nk, key-major as the chunk item keeps
-// them; qp[d/2] lane i holds row i's q elements d, d + 1 (a pair), krow[j] the key's bf16 row in the cache.
-template <int DC>
-inline void key_major_scores_bf16(const uint16_t* const* krow, int64_t nk, const vi16* qp, float scale, vf16* s) {
-    constexpr int KB = 8;  // keys a pass: 8 sums, a broadcast and the q pairs' reads in 32 registers
+// s[g][j] = scale * K[key j] . q (lanes: group g's 16 query rows) for g < NG, j < nk, key-major as the chunk
+// item keeps them; qp[g][d/2] lane i holds row 16g + i's q elements d, d + 1 (a pair), krow[j] the key's bf16
+// row in the cache. Each broadcast of a key's pair serves all NG groups: one broadcast a product, with a
+// group at a time, was a third of the chunk's attention time.
+template <int DC, int NG>
+inline void key_major_scores_bf16(const uint16_t* const* krow, int64_t nk, const vi16 (*qp)[DC / 2], float scale,
+                                  vf16 (*s)[KEY_TILE]) {
+    constexpr int KB = NG <= 3 ? 8 : NG <= 6 ? 4 : 2;  // NG x KB sums, a broadcast, q's pairs from L1
     int64_t j0 = 0;
     for (; j0 + KB <= nk; j0 += KB) {
-        vf16 a[KB] = {};
-        for (int d = 0; d < DC; d += 2) {
-            const vi16 qd = qp[d / 2];
-            for (int j = 0; j < KB; ++j) a[j] = dot_pairs(a[j], broadcast_pair(krow[j0 + j] + d), qd);
-        }
-        for (int j = 0; j < KB; ++j) s[j0 + j] = a[j] * scale;
+        vf16 a[NG][KB] = {};
+        for (int d = 0; d < DC; d += 2)
+            for (int j = 0; j < KB; ++j) {
+                const vi16 k = broadcast_pair(krow[j0 + j] + d);
+                for (int g = 0; g < NG; ++g) a[g][j] = dot_pairs(a[g][j], k, qp[g][d / 2]);
+            }
+        for (int g = 0; g < NG; ++g)
+            for (int j = 0; j < KB; ++j) s[g][j0 + j] = a[g][j] * scale;
     }
     for (; j0 < nk; ++j0) {
-        vf16 a = {};
-        for (int d = 0; d < DC; d += 2) a = dot_pairs(a, broadcast_pair(krow[j0] + d), qp[d / 2]);
-        s[j0] = a * scale;
+        vf16 a[NG] = {};
+        for (int d = 0; d < DC; d += 2) {
+            const vi16 k = broadcast_pair(krow[j0] + d);
+            for (int g = 0; g < NG; ++g) a[g] = dot_pairs(a[g], k, qp[g][d / 2]);
+        }
+        for (int g = 0; g < NG; ++g) s[g][j0] = a[g] * scale;
     }
 }
 
-// The bf16 bits of float32 x (round to nearest even, as float_to_bf16), in each lane's low 16 bits.
-inline vi16 bf16_bits(vf16 x) {
-    const vi16 u = (vi16)x;
-    return ((u + 0x7fff + ((u >> 16) & 1)) >> 16) & 0xffff;
+// The same for a group count known only at run time (1 .. MAX_ROWS / 16).
+template <int DC>
+inline void key_major_scores_bf16(const uint16_t* const* krow, int64_t nk, const vi16 (*qp)[DC / 2], int64_t groups,
+                                  float scale, vf16 (*s)[KEY_TILE]) {
+    static_assert(MAX_ROWS / 16 == 8, "a case per group count");
+    switch (groups) {
+        case 1: return key_major_scores_bf16<DC, 1>(krow, nk, qp, scale, s);
+        case 2: return key_major_scores_bf16<DC, 2>(krow, nk, qp, scale, s);
+        case 3: return key_major_scores_bf16<DC, 3>(krow, nk, qp, scale, s);
+        case 4: return key_major_scores_bf16<DC, 4>(krow, nk, qp, scale, s);
+        case 5: return key_major_scores_bf16<DC, 5>(krow, nk, qp, scale, s);
+        case 6: return key_major_scores_bf16<DC, 6>(krow, nk, qp, scale, s);
+        case 7: return key_major_scores_bf16<DC, 7>(krow, nk, qp, scale, s);
+        default: return key_major_scores_bf16<DC, 8>(krow, nk, qp, scale, s);
+    }
 }
 
 // vp[jj][c] lane i holds V[2jj][16c + i] and V[2jj + 1][16c + i] (a bf16 pair, as vdpbf16ps takes it): the V
@@ -105,17 +124,28 @@ inline void store_pairs_bf16(int32_t* dst, vf16 e) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh((__m512)e));
 }
 
-// R rows of acc += their pairs of probabilities (pp[i * pp_row + jj]) times a key tile's V pairs (vp): the
-// rows' sums stay in registers over the tile's 8 pairs, R x DC / 16 independent chains.
+// e0's and e1's lanes rounded to bf16 (nearest even) and interleaved: dst[i] holds lane i of e0, then of e1
+// (the probabilities of two keys for 16 rows, as P.V's pairs take them).
+inline void store_pair_lanes_bf16(int32_t* dst, vf16 e0, vf16 e1) {
+    const __m512i x = (__m512i)_mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0);  // e0's 16 words, then e1's
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, x));
+}
+
+// R rows of acc (scaled by alpha first, unless null) += their probabilities of a key tile's 8 pairs times the
+// tile's V pairs (vp): row i's pair jj is pp[i * row_step + jj * pair_step]. The rows' sums stay in
+// registers over the tile, R x DC / 16 independent chains.
 template <int DC, int R>
-inline void pair_rows(float (*acc)[DC], const int32_t* pp, int64_t pp_row, const vi16 (*vp)[DC / 16]) {
+inline void pair_rows(float (*acc)[DC], const int32_t* pp, int64_t row_step, int64_t pair_step,
+                      const vi16 (*vp)[DC / 16], const float* alpha = nullptr) {
     constexpr int C = DC / 16;
     vf16 av[R][C];
     for (int i = 0; i < R; ++i)
-        for (int c = 0; c < C; ++c) av[i][c] = load16(acc[i] + 16 * c);
+        for (int c = 0; c < C; ++c) av[i][c] = alpha ? load16(acc[i] + 16 * c) * alpha[i] : load16(acc[i] + 16 * c);
     for (int jj = 0; jj < KEY_TILE / 2; ++jj)
         for (int i = 0; i < R; ++i) {
-            const vi16 w = (vi16)_mm512_set1_epi32(pp[i * pp_row + jj]);
+            const vi16 w = (vi16)_mm512_set1_epi32(pp[i * row_step + jj * pair_step]);
             for (int c = 0; c < C; ++c) av[i][c] = dot_pairs(av[i][c], w, vp[jj][c]);
         }
     for (int i = 0; i < R; ++i)
@@ -132,73 +162,17 @@ inline void pairs_accumulate_bf16(float (*acc)[DC], const int32_t* pp, int64_t p
     vi16 vp[KEY_TILE / 2][DC / 16];
     interleave_pairs<DC>(vrow, KEY_TILE, vp);
     int64_t r = 0;
-    for (; r + RB <= rows; r += RB) pair_rows<DC, RB>(acc + r, pp + r * pp_row, pp_row, vp);
-    if (rows - r == 3) pair_rows<DC, 3>(acc + r, pp + r * pp_row, pp_row, vp);
-    if (rows - r == 2) pair_rows<DC, 2>(acc + r, pp + r * pp_row, pp_row, vp);
-    if (rows - r == 1) pair_rows<DC, 1>(acc + r, pp + r * pp_row, pp_row, vp);
+    for (; r + RB <= rows; r += RB) pair_rows<DC, RB>(acc + r, pp + r * pp_row, pp_row, 1, vp);
+    if (rows - r == 3) pair_rows<DC, 3>(acc + r, pp + r * pp_row, pp_row, 1, vp);
+    if (rows - r == 2) pair_rows<DC, 2>(acc + r, pp + r * pp_row, pp_row, 1, vp);
+    if (rows - r == 1) pair_rows<DC, 1>(acc + r, pp + r * pp_row, pp_row, 1, vp);
 }
 
-// acc[r] = acc[r] * alpha[r] + sum_j p(r, j) * v_j for r < rows, j < nv (p(r, j) = p[r * p_row + j * p_key],
-// row-major or key-major as scale_accumulate takes it), with vdpbf16ps over pairs of keys: p is rounded to
-// bf16 (as HF's bf16 attention rounds its probabilities before P.V), the V rows are read in place (bf16) and
-// interleaved a pair of keys at a time, the sums are float32's.
-template <int DC>
-inline void scale_accumulate_bf16(float (*acc)[DC], const float* alpha, const float* p, int64_t p_row,
-                                  int64_t p_key, const uint16_t* const* vrow, int64_t nv, int64_t rows) {
-    static_assert(DC % 32 == 0, "head dim a multiple of 32");
-    constexpr int C = DC / 16, PAIRS = KEY_TILE / 2, RB = C <= 4 ? 4 : 2;
-    const int64_t np = (nv + 1) / 2;
-    vi16 vp[PAIRS][C];  // vp[jj][c] lane i: V[2jj][16c + i], V[2jj + 1][16c + i]
-    interleave_pairs<DC>(vrow, nv, vp);
-    alignas(64) int32_t pp[PAIRS][MAX_ROWS];  // pp[jj][r]: p(r, 2jj), p(r, 2jj + 1) as a bf16 pair
-    if (p_key == 1) {  // row-major: a row's keys side by side
-        for (int64_t r = 0; r < rows; ++r) {
-            alignas(64) uint32_t bits[KEY_TILE];
-            *reinterpret_cast<vi16*>(bits) = bf16_bits(load16(p + r * p_row));
-            for (int64_t jj = 0; jj < np; ++jj)
-                pp[jj][r] = static_cast<int32_t>(bits[2 * jj] | (2 * jj + 1 < nv ? bits[2 * jj + 1] << 16 : 0u));
-        }
-    } else {  // key-major: 16 rows side by side (rows a multiple of 16)
-        for (int64_t jj = 0; jj < np; ++jj)
-            for (int64_t r = 0; r < rows; r += 16) {
-                const vi16 a = bf16_bits(load16(p + 2 * jj * p_key + r));
-                const vi16 b = 2 * jj + 1 < nv ? bf16_bits(load16(p + (2 * jj + 1) * p_key + r)) : vi16{};
-                *reinterpret_cast<vi16*>(pp[jj] + r) = a | (b << 16);
-            }
-    }
-    int64_t r = 0;
-    for (; r + RB <= rows; r += RB) {  // RB rows' sums in registers, trip counts known
-        vf16 av[RB][C];
-        for (int i = 0; i < RB; ++i)
-            for (int c = 0; c < C; ++c) av[i][c] = load16(acc[r + i] + 16 * c) * alpha[r + i];
-        for (int64_t jj = 0; jj < np; ++jj)
-            for (int i = 0; i < RB; ++i) {
-                const vi16 w = (vi16)_mm512_set1_epi32(pp[jj][r + i]);
-                for (int c = 0; c < C; ++c) av[i][c] = dot_pairs(av[i][c], w, vp[jj][c]);
-            }
-        for (int i = 0; i < RB; ++i)
-            for (int c = 0; c < C; ++c) store16(acc[r + i] + 16 * c, av[i][c]);
-    }
-    for (; r < rows; ++r) {
-        vf16 av[C];
-        for (int c = 0; c < C; ++c) av[c] = load16(acc[r] + 16 * c) * alpha[r];
-        for (int64_t jj = 0; jj < np; ++jj) {
-            const vi16 w = (vi16)_mm512_set1_epi32(pp[jj][r]);
-            for (int c = 0; c < C; ++c) av[c] = dot_pairs(av[c], w, vp[jj][c]);
-        }
-        for (int c = 0; c < C; ++c) store16(acc[r] + 16 * c, av[c]);
-    }
-}
 #else
 constexpr bool BF16_DOT = false;
 
 template <int DC>
 inline void row_scores_bf16(const uint16_t*, const uint16_t* const*, int64_t, float, float*) {}
-template <int DC>
-inline void key_major_scores_bf16(const uint16_t* const*, int64_t, const vi16*, float, vf16*) {}
-template <int DC>
-inline void scale_accumulate_bf16(float (*)[DC], const float*, const float*, int64_t, int64_t,
-                                  const uint16_t* const*, int64_t, int64_t) {}
 inline void store_pairs_bf16(int32_t*, vf16) {}
 template <int DC>
 inline void pairs_accumulate_bf16(float (*)[DC], const int32_t*, int64_t, const uint16_t* const*, int64_t) {}

@@ -12,10 +12,12 @@
 // rows at head dim 64 or 128 (a prefill chunk) takes the key-major kernel (paged_chunk.h).
 #include <omp.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
 #include "paged_chunk.h"
+#include "paged_chunk_bf16.h"
 #include "paged_decode.h"
 #include "paged_tiles.h"
 #include "softmax16.h"
@@ -203,8 +205,12 @@ void run(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* 
             continue;
         }
         if (chunked && (items[i].q_end - items[i].q_begin) * G >= 8) {
-            (sh.head_dim == 64 ? attend_chunk<T, 64> : attend_chunk<T, 128>)(items[i], q, k_cache, v_cache, out,
-                                                                            query_start, seq_lens, block_tables, sh);
+            if constexpr (BF16_DOT && std::is_same_v<T, uint16_t>)  // vdpbf16ps on the cache's bf16 (bf16_dot.h)
+                (sh.head_dim == 64 ? attend_chunk_bf16<64> : attend_chunk_bf16<128>)(
+                    items[i], q, k_cache, v_cache, out, query_start, seq_lens, block_tables, sh);
+            else
+                (sh.head_dim == 64 ? attend_chunk<T, 64> : attend_chunk<T, 128>)(
+                    items[i], q, k_cache, v_cache, out, query_start, seq_lens, block_tables, sh);
             continue;
         }
         tile(items[i], q, k_cache, v_cache, out, query_start, seq_lens, block_tables, sh);

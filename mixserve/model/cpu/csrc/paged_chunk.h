@@ -12,9 +12,7 @@
 #include <string.h>
 
 #include <algorithm>
-#include <type_traits>
 
-#include "bf16_dot.h"
 #include "common.h"
 #include "paged_tiles.h"
 #include "softmax16.h"
@@ -66,10 +64,6 @@ void attend_chunk(const Item& it, const T* q, const T* k_cache, const T* v_cache
     alignas(64) float vbuf[KEY_TILE][MAX_HEAD_DIM];
     const float* krow[KEY_TILE];
     const float* vrow[KEY_TILE];
-    // bf16 with AVX512-BF16: scores and P.V by vdpbf16ps on K and V as they lie in the cache (bf16_dot.h)
-    constexpr bool DOT = BF16_DOT && !std::is_same_v<T, float> && DC % 32 == 0;
-    vi16 qp[DOT ? MAX_GROUPS : 1][DC / 2];  // qp[g][d / 2] lane i: row 16g + i's q elements d, d + 1 (bf16)
-    const T *kraw[KEY_TILE], *vraw[KEY_TILE];
 
     for (int64_t g = 0; g < groups; ++g) {
         alignas(64) float lane[16][DC];
@@ -77,22 +71,11 @@ void attend_chunk(const Item& it, const T* q, const T* k_cache, const T* v_cache
         for (int64_t i = 0; i < 16; ++i) {
             const int64_t r = 16 * g + i;
             pos[i] = r < rows ? static_cast<int32_t>(pos0 + r / G) : -1;
-            if constexpr (DOT) continue;  // qp below instead
             const T* src = q + (it.q_begin + r / G) * sh.q_stride_t + (it.kv_head * G + r % G) * sh.q_stride_h;
             for (int64_t d = 0; d < DC; ++d) lane[i][d] = r < rows ? load(src + d) * sh.scale : 0.f;
         }
-        if constexpr (!DOT)
-            for (int64_t d = 0; d < DC; ++d)
-                for (int i = 0; i < 16; ++i) qt[g][d][i] = lane[i][d];
-        if constexpr (DOT) {
-            for (int64_t i = 0; i < 16; ++i) {
-                const int64_t r = 16 * g + i;
-                const T* src = q + (it.q_begin + r / G) * sh.q_stride_t + (it.kv_head * G + r % G) * sh.q_stride_h;
-                for (int64_t d = 0; d < DC; d += 2)
-                    qp[g][d / 2][i] = r < rows ? static_cast<int32_t>(src[d] | (static_cast<uint32_t>(src[d + 1]) << 16))
-                                           : 0;
-            }
-        }
+        for (int64_t d = 0; d < DC; ++d)
+            for (int i = 0; i < 16; ++i) qt[g][d][i] = lane[i][d];
         row_pos[g] = *reinterpret_cast<const vi16*>(pos);
         m[g] = vf16{} + NEG_BIG;
         l[g] = vf16{};
@@ -104,24 +87,14 @@ void attend_chunk(const Item& it, const T* q, const T* k_cache, const T* v_cache
     for (int64_t k0 = 0; k0 < num_keys; k0 += KEY_TILE) {
         const int64_t nk = std::min<int64_t>(KEY_TILE, num_keys - k0);
         prefetch_ahead(k_cache, v_cache, table, k0, num_keys, head_off, DC, sh);
-        if constexpr (DOT) {
-            raw_rows(k_cache, table, k0, nk, sh.num_kv_heads * DC, head_off, sh, kraw);
-        } else {
-            tile_rows<T, DC>(k_cache, table, k0, nk, head_off, sh, vbuf, krow);
-            for (int64_t j = 0; j < nk; ++j) memcpy(kbuf[j], krow[j], sizeof(float) * DC);
-        }
-        if constexpr (DOT)
-            raw_rows(v_cache, table, k0, nk, sh.num_kv_heads * DC, head_off, sh, vraw);
-        else
-            tile_rows<T, DC>(v_cache, table, k0, nk, head_off, sh, vbuf, vrow);
+        tile_rows<T, DC>(k_cache, table, k0, nk, head_off, sh, vbuf, krow);
+        for (int64_t j = 0; j < nk; ++j) memcpy(kbuf[j], krow[j], sizeof(float) * DC);
+        tile_rows<T, DC>(v_cache, table, k0, nk, head_off, sh, vbuf, vrow);
         // Keys past pos0 may lie beyond some rows (the chunk's diagonal): those tiles need the causal mask.
         const bool diagonal = k0 + nk - 1 > pos0;
         for (int64_t g = 0; g < groups; ++g) {
             vf16 s[KEY_TILE];
-            if constexpr (DOT)
-                key_major_scores_bf16<DC>(kraw, nk, qp[g], sh.scale, s);
-            else
-                key_major_scores<DC>(kbuf, nk, qt[g], s);
+            key_major_scores<DC>(kbuf, nk, qt[g], s);
             vf16 mx = neg;
             for (int64_t j = 0; j < nk; ++j) {
                 if (diagonal) s[j] = (vi16{} + static_cast<int32_t>(k0 + j)) <= row_pos[g] ? s[j] : neg;
@@ -140,10 +113,7 @@ void attend_chunk(const Item& it, const T* q, const T* k_cache, const T* v_cache
             m[g] = m_new;
             store16(alpha + 16 * g, a);
         }
-        if constexpr (DOT)
-            scale_accumulate_bf16<DC>(acc, alpha, p[0], 1, MAX_ROWS, vraw, nk, 16 * groups);
-        else
-            scale_accumulate<DC, DC>(acc, alpha, p[0], 1, MAX_ROWS, vrow, nk, 16 * groups);
+        scale_accumulate<DC, DC>(acc, alpha, p[0], 1, MAX_ROWS, vrow, nk, 16 * groups);
     }
     for (int64_t g = 0; g < groups; ++g) {
         alignas(64) float lsum[16];
