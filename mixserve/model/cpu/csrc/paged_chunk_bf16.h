@@ -2,8 +2,12 @@
 // V as they lie in the cache (bf16_dot.h), for head dims that are a multiple of 32.
 //
 // Scores key-major as in paged_chunk.h, every group of 16 query rows against a key's pair at once (one
-// broadcast serves them all). The probabilities go to bf16 pairs of keys as the exponentials come out (as
-// torch's CPU flash attention rounds them before P.V), so P.V reads them ready-made.
+// broadcast serves them all), in log2 units (the softmax scale times log2(e) applied once, exponentials as
+// 2^x). The probabilities go to bf16 pairs of keys as the exponentials come out (as torch's CPU flash
+// attention rounds them before P.V), so P.V reads them ready-made. A group's running max moves only when a
+// tile's max passes it by more than RESCALE_LOG2 (the numerators then stay below 2^RESCALE_LOG2, exactly
+// divided out at the end): most tiles then rescale nothing, where a max that crept up on every tile made
+// every tile multiply every accumulator.
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -19,6 +23,8 @@
 namespace mixserve {
 
 #ifdef MIXSERVE_BF16_DOT
+constexpr float RESCALE_LOG2 = 8.f;
+
 // q's pairs of one group of 16 rows, key-major: qp[d / 2] lane i holds row i's q elements d, d + 1, gathered
 // from the rows' byte offsets `at` (lanes past `valid` hold zeros).
 template <int DC>
@@ -77,7 +83,8 @@ void attend_chunk_bf16(const Item& it, const uint16_t* q, const uint16_t* k_cach
         // Keys past pos0 may lie beyond some rows (the chunk's diagonal): those tiles need the causal mask.
         const bool diagonal = k0 + nk - 1 > pos0;
         vf16 sg[MAX_GROUPS][KEY_TILE];
-        key_major_scores_bf16<DC>(kraw, nk, qp, groups, sh.scale, sg);
+        key_major_scores_bf16<DC>(kraw, nk, qp, groups, sh.scale * 1.44269504088896341f, sg);
+        bool rescaled[MAX_GROUPS];
         for (int64_t g = 0; g < groups; ++g) {
             vf16* s = sg[g];
             vf16 mx = neg;
@@ -86,24 +93,28 @@ void attend_chunk_bf16(const Item& it, const uint16_t* q, const uint16_t* k_cach
                 else if (diagonal) s[j] = (vi16{} + static_cast<int32_t>(k0 + j)) <= row_pos[g] ? s[j] : neg;
                 mx = mx > s[j] ? mx : s[j];
             }
-            const vf16 m_new = m[g] > mx ? m[g] : mx;
-            const vf16 a = exp16(m[g] - m_new);  // 0 (underflow) on a row's first tile; 1 where nothing is new
+            rescaled[g] = _mm512_cmp_ps_mask((__m512)(mx - m[g]), _mm512_set1_ps(RESCALE_LOG2), _CMP_GT_OQ) != 0;
+            const vf16 m_new = !rescaled[g] ? m[g] : m[g] > mx ? m[g] : mx;
             vf16 sum = zero;
             for (int64_t jj = 0; jj < KEY_TILE / 2; ++jj) {
-                vf16 e0 = exp16(s[2 * jj] - m_new), e1 = exp16(s[2 * jj + 1] - m_new);
+                vf16 e0 = exp2_16(s[2 * jj] - m_new), e1 = exp2_16(s[2 * jj + 1] - m_new);
                 e0 = s[2 * jj] > neg ? e0 : zero;  // masked keys: exactly 0
                 e1 = s[2 * jj + 1] > neg ? e1 : zero;
                 sum += e0 + e1;
                 store_pair_lanes_bf16(pp[jj] + 16 * g, e0, e1);
             }
-            l[g] = l[g] * a + sum;
+            if (rescaled[g]) {  // ~0 (underflow) on a row's first tile
+                const vf16 a = exp2_16(m[g] - m_new);
+                l[g] *= a;
+                store16(alpha + 16 * g, a);
+            }
+            l[g] += sum;
             m[g] = m_new;
-            store16(alpha + 16 * g, a);
         }
         vi16 vp[KEY_TILE / 2][DC / 16];
         interleave_pairs<DC>(vraw, KEY_TILE, vp);
         for (int64_t r = 0; r < 16 * groups; r += RB)  // 16 rows a group: whole blocks
-            pair_rows<DC, RB>(acc + r, pp[0] + r, 1, MAX_ROWS, vp, alpha + r);
+            pair_rows<DC, RB>(acc + r, pp[0] + r, 1, MAX_ROWS, vp, rescaled[r / 16] ? alpha + r : nullptr);
     }
     for (int64_t g = 0; g < groups; ++g) {
         alignas(64) float lsum[16];

@@ -38,17 +38,24 @@ inline float hsum16(vf16 v) {
     return v[0];
 }
 
-// fast_exp (common.h) on 16 lanes, the same polynomial and clamp: floor(t + 0.5) as a truncating
-// conversion of a value made positive first (t >= -126 after the clamp).
-inline vf16 exp16(vf16 x) {
-    const vf16 lo = vf16{} - 87.0f, hi = vf16{} + 88.0f;
-    x = x < lo ? lo : x;
-    x = x > hi ? hi : x;
-    const vf16 t = x * 1.44269504088896341f;
+// 2^t on 16 lanes (t >= -125.5 after the clamp): n = floor(t + 0.5) as a truncating conversion of a value made
+// positive first, 2^(t - n) by exp2_poly, 2^n through the exponent bits.
+inline vf16 exp2_16(vf16 t) {
+    const vf16 lo = vf16{} - 125.5f, hi = vf16{} + 126.9f;
+    t = t < lo ? lo : t;
+    t = t > hi ? hi : t;
     const vi16 n = __builtin_convertvector(t + 128.5f, vi16) - 128;
     const vf16 p = exp2_poly(t - __builtin_convertvector(n, vf16));
     const vi16 bits = (n + 127) << 23;
     return p * (vf16)bits;  // a cast between vector types of one size reinterprets the bits
+}
+
+// fast_exp (common.h) on 16 lanes: the same polynomial and clamp.
+inline vf16 exp16(vf16 x) {
+    const vf16 lo = vf16{} - 87.0f, hi = vf16{} + 88.0f;
+    x = x < lo ? lo : x;
+    x = x > hi ? hi : x;
+    return exp2_16(x * 1.44269504088896341f);
 }
 
 // Scores s (16 lanes; lanes from `visible` on are not keys this row sees) become the tile's softmax numerators
