@@ -26,8 +26,11 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> 
 
 
 def run_random_batch(seed: int, hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype,
-                     max_start: int = 70, max_chunk: int = 40) -> float:
-    """A random mixed batch on scattered blocks; returns the largest error against the reference."""
+                     max_start: int = 70, max_chunk: int = 40, layout: list[tuple[int, int]] | None = None,
+                     q_scale: float = 1.0) -> float:
+    """A random mixed batch on scattered blocks (or sequences of the given (start, tokens)); returns the
+    largest error against the reference. q_scale > 1 spreads the scores (each row's running max then moves
+    far, tile after tile)."""
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
     num_blocks = 256 * max(1, (max_start + max_chunk) // 110)
     free = list(range(num_blocks))
@@ -35,9 +38,10 @@ def run_random_batch(seed: int, hq: int, hkv: int, d: int, bs: int, dtype: torch
     k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
     seqs, histories = [], []
-    for i in range(rng.randint(1, 7)):
-        start = rng.choice([0, 0, rng.randint(1, max_start)])
-        n = rng.choice([1, 1, rng.randint(1, max_chunk)])  # decodes, and chunks across tile edges
+    if layout is None:  # decodes, and chunks across tile edges
+        layout = [(rng.choice([0, 0, rng.randint(1, max_start)]),
+                   rng.choice([1, 1, rng.randint(1, max_chunk)])) for _ in range(rng.randint(1, 7))]
+    for i, (start, n) in enumerate(layout):
         table = [free.pop() for _ in range(-(-(start + n) // bs))]
         seqs.append(ForwardSeq(str(i), [0] * n, start, table))
         histories.append((start, n, table))
@@ -45,7 +49,9 @@ def run_random_batch(seed: int, hq: int, hkv: int, d: int, bs: int, dtype: torch
     meta = backend.prepare(ForwardBatch(seqs), bs, torch.device("cpu"))
     t = meta.positions.shape[0]
     # q as a strided view of a fused projection, the way the model hands it over
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    qkv[:, : hq * d] *= q_scale
+    qkv = qkv.to(dtype)
     q = qkv[:, : hq * d].view(t, hq, d)
     k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
     v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
@@ -93,6 +99,20 @@ def test_bfloat16_mixed_batches_match_the_definition(hq: int, hkv: int, d: int, 
     tol = 2 ** -8 * 2 + (2 ** -9 * 4.5 if ops.cpu_features().avx512_bf16 and d % 32 == 0 else 0.0)
     for seed in range(3):
         assert run_random_batch(seed, hq, hkv, d, bs, torch.bfloat16) < tol
+
+
+# A decode runs its keys in spans (256 keys for 9 heads, 128 for 32: SPAN_FLOATS / heads): contexts on
+# both sides of span edges, next to a chunk; q spread wide so the chunk's running max moves again and again
+# (the bf16 chunk rescales only when it moves far).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (32, 8, 64), (8, 2, 128)])
+@pytest.mark.parametrize("q_scale", [1.0, 8.0])
+def test_decodes_across_span_edges_match_the_definition(hq: int, hkv: int, d: int, dtype: torch.dtype,
+                                                        q_scale: float) -> None:
+    layout = [(c - 1, 1) for c in (1, 127, 128, 129, 255, 256, 257, 513, 700)] + [(300, 48)]
+    # bf16 inputs, float32 sums, bf16 output; plus the bf16 probabilities' rounding (see below)
+    tol = 2e-5 if dtype == torch.float32 else 2 ** -8 * 2 + 2 ** -9 * 4.5
+    assert run_random_batch(0, hq, hkv, d, 16, dtype, layout=layout, q_scale=q_scale) < tol
 
 
 def test_a_shape_the_kernel_cannot_take_is_a_clear_error() -> None:
