@@ -3,7 +3,8 @@
 Where the reference backend gathers every sequence's context into a dense copy (half of a CPU decode
 step's time went to that `index_select`) and calls SDPA once per prefill chunk, this one writes the
 step's K/V into the cache and hands the kernel (model/cpu/csrc/paged_attention.cpp) the pointers: decodes
-and chunks, every layer, with no per-chunk Python. float32 and bfloat16 (computed in float32).
+and chunks, every layer, with no per-chunk Python. float32 and bfloat16 (bf16 products through vdpbf16ps
+where the CPU has AVX512-BF16, else widened to float32; the sums are float32's either way).
 """
 
 from __future__ import annotations
