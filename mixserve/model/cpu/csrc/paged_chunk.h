@@ -25,8 +25,25 @@ constexpr int MAX_GROUPS = MAX_ROWS / 16;
 // s[j] = K[key j] . qt (lanes: the group's 16 rows) for j < nk.
 template <int DC>
 inline void key_major_scores(const float (*kbuf)[DC], int64_t nk, const vf16* qt, vf16* s) {
+    if constexpr (VF16_REGS < 32) {  // AVX2: on halves (vec16.h's vf8), 4 keys a pass: 8 sums, 2 q halves
+        const float* q = reinterpret_cast<const float*>(qt);  // qt[d]: 16 floats, lanes of the group's rows
+        float* out = reinterpret_cast<float*>(s);
+        for (int64_t j0 = 0; j0 < KEY_TILE; j0 += 4) {
+            vf8 lo[4] = {}, hi[4] = {};
+            for (int d = 0; d < DC; ++d) {
+                const vf8 ql = load8(q + 16 * d), qh = load8(q + 16 * d + 8);
+                for (int j = 0; j < 4; ++j) {
+                    const vf8 k = vf8{} + (j0 + j < nk ? kbuf[j0 + j][d] : 0.f);
+                    lo[j] += k * ql;
+                    hi[j] += k * qh;
+                }
+            }
+            for (int j = 0; j < 4; ++j) store8(out + 16 * (j0 + j), lo[j]), store8(out + 16 * (j0 + j) + 8, hi[j]);
+        }
+        return;
+    }
     if (nk == KEY_TILE) {  // the common case: independent FMA chains in registers, the trip counts known
-        constexpr int KB = VF16_REGS >= 32 ? KEY_TILE : 4;  // keys a pass (AVX2: 4 sums, 8 of 16 registers)
+        constexpr int KB = KEY_TILE;
         for (int j0 = 0; j0 < KEY_TILE; j0 += KB) {
             vf16 a[KB] = {};
             for (int d = 0; d < DC; ++d) {
