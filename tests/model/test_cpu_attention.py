@@ -115,6 +115,25 @@ def test_decodes_across_span_edges_match_the_definition(hq: int, hkv: int, d: in
     assert run_random_batch(0, hq, hkv, d, 16, dtype, layout=layout, q_scale=q_scale) < tol
 
 
+@pytest.mark.skipif("avx2" not in cpu_build.cpu_flags().split(), reason="the AVX2 build needs an AVX2 CPU")
+def test_the_avx2_build_matches_the_definition(monkeypatch, tmp_path) -> None:
+    # Built for haswell, the AVX2 code (8-float halves, 4-key passes, bf16 widened to float32) runs and is
+    # checked on an AVX-512 machine too.
+    monkeypatch.setenv("MIXSERVE_KERNEL_MARCH", "haswell")
+    monkeypatch.setenv("MIXSERVE_CACHE", str(tmp_path))
+    cpu_build.load_library.cache_clear()
+    try:
+        assert "-march=haswell" in cpu_build.flags()
+        layout = [(c - 1, 1) for c in (1, 129, 257, 513)] + [(0, 40), (200, 60)]
+        for dtype, bound in ((torch.float32, 2e-5), (torch.bfloat16, 2 ** -8 * 2)):
+            for hq, hkv, d in ((9, 3, 64), (6, 3, 128), (4, 2, 80)):
+                assert run_random_batch(0, hq, hkv, d, 16, dtype, max_start=300, max_chunk=60) < bound
+                assert run_random_batch(1, hq, hkv, d, 16, dtype, layout=layout) < bound
+        assert cpu_build.library_path().exists()
+    finally:
+        cpu_build.load_library.cache_clear()
+
+
 def test_a_shape_the_kernel_cannot_take_is_a_clear_error() -> None:
     backend = CpuPagedAttention()
     meta = backend.prepare(ForwardBatch([ForwardSeq("x", [1], 0, [0])]), 4, torch.device("cpu"))

@@ -5,6 +5,10 @@ ninja and no torch build machinery; `pip install` stays compiler-free. The libra
 $MIXSERVE_CACHE (default ~/.cache/mixserve), keyed by the source, the flags, the compiler and the CPU's
 flags: `-march=native` code built on one CPU never runs on another. A machine without a compiler gets
 KernelBuildError, and the caller falls back to the reference backend with one warning.
+
+$MIXSERVE_KERNEL_MARCH (default `native`) builds them for another -march instead, for a CPU that has it:
+`haswell` runs the AVX2 code on an AVX-512 machine (the tests do, so the AVX2 path is checked everywhere;
+its timings there show AVX2-only slowdowns, as the one that made AVX2's chunk attention 22x slower).
 """
 
 from __future__ import annotations
@@ -31,9 +35,9 @@ HEADERS = (CSRC / "common.h", CSRC / "vec16.h", CSRC / "paged_tiles.h", CSRC / "
 # one by one: -ffast-math itself links crtfastmath.o, whose start-up code turns on flush-to-zero and
 # denormals-are-zero for the whole process once the library loads, changing everyone else's numerics.
 # -fopenmp: the library shares torch's libgomp (same soname, already loaded), so torch's threads run it.
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+FLAGS = ("-O3", "-march=@", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
          "-fassociative-math", "-freciprocal-math", "-ffinite-math-only", "-fopenmp", "-std=c++17",
-         "-shared", "-fPIC")
+         "-shared", "-fPIC", "-Wno-psabi")  # -march=@: $MIXSERVE_KERNEL_MARCH, else native
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # Every function takes a dtype code first (0 float32, 1 bfloat16) and returns 0 or an error code (the one
@@ -62,6 +66,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mixserve"
 
 
+def flags() -> list[str]:
+    """FLAGS with the -march this process builds for ($MIXSERVE_KERNEL_MARCH, else native)."""
+    march = os.environ.get("MIXSERVE_KERNEL_MARCH") or "native"
+    return [f.replace("@", march) if f.startswith("-march=") else f for f in FLAGS]
+
+
 def cpu_flags() -> str:
     """The CPU's feature flags as /proc/cpuinfo lists them ("" where there is no such file)."""
     try:
@@ -86,7 +96,7 @@ def library_path() -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"C++ compiler {cxx} does not run: {e}") from None
     texts = [f.read_text() for f in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, cpu_flags(),
+    key = hashlib.sha256("\0".join([*texts, " ".join(flags()), version, cpu_flags(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     return cache_dir() / f"cpu_kernels-{key}.so"
 
@@ -97,7 +107,7 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([_compiler(), *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True,
+        done = subprocess.run([_compiler(), *flags(), "-o", tmp, *map(str, SOURCES)], capture_output=True,
                               text=True, timeout=300)
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["no output"])[0]
