@@ -59,6 +59,42 @@ inline void key_major_scores(const float (*kbuf)[DC], int64_t nk, const vf16* qt
     }
 }
 
+// One online-softmax step of a group's rows over a key tile, key-major, on lanes of type VF (VL of them;
+// AVX2 takes a group's 16 rows as two halves of 8, where GCC's vf16 code went through the stack): sc + 16 j
+// holds key j's scores of the 16 rows, from `lane` on; the numerators go to p + j * MAX_ROWS; m, l, alpha
+// and row_pos are the group's running max, sum, rescale factor and positions (-1: a padding row).
+template <typename VF, typename VI>
+inline void softmax_tile_lanes(float* sc, int64_t nk, bool diagonal, int64_t k0, const int32_t* row_pos,
+                               float* m, float* l, float* alpha, float* p) {
+    auto ld = [](const float* a) { VF v; memcpy(&v, a, sizeof v); return v; };
+    auto st = [](float* a, VF v) { memcpy(a, &v, sizeof v); };
+    VI pos;
+    memcpy(&pos, row_pos, sizeof pos);
+    const VF zero = {}, neg = zero + NEG_BIG;
+    VF mx = neg;
+    for (int64_t j = 0; j < nk; ++j) {
+        VF v = ld(sc + 16 * j);
+        if (diagonal) {
+            v = (VI{} + static_cast<int32_t>(k0 + j)) <= pos ? v : neg;
+            st(sc + 16 * j, v);
+        }
+        mx = mx > v ? mx : v;
+    }
+    const VF m_old = ld(m), m_new = m_old > mx ? m_old : mx;
+    const VF a = exp_lanes<VF, VI>(m_old - m_new);  // 0 (underflow) on a row's first tile; 1 where nothing is new
+    VF sum = zero;
+    for (int64_t j = 0; j < nk; ++j) {
+        const VF v = ld(sc + 16 * j);
+        VF e = exp_lanes<VF, VI>(v - m_new);
+        e = v > neg ? e : zero;  // masked keys: exactly 0
+        st(p + j * MAX_ROWS, e);
+        sum += e;
+    }
+    st(l, ld(l) * a + sum);
+    st(m, m_new);
+    st(alpha, a);
+}
+
 template <typename T, int DC>
 void attend_chunk(const Item& it, const T* q, const T* k_cache, const T* v_cache, T* out,
                   const int64_t* query_start, const int64_t* seq_lens, const int64_t* block_tables,
@@ -100,7 +136,6 @@ void attend_chunk(const Item& it, const T* q, const T* k_cache, const T* v_cache
     memset(acc, 0, sizeof(float) * DC * 16 * groups);
 
     const int64_t num_keys = pos0 + n_tok;  // the last query of the tile sees keys 0..pos0 + n_tok - 1
-    const vf16 zero = {}, neg = zero + NEG_BIG;
     for (int64_t k0 = 0; k0 < num_keys; k0 += KEY_TILE) {
         const int64_t nk = std::min<int64_t>(KEY_TILE, num_keys - k0);
         prefetch_ahead(k_cache, v_cache, table, k0, num_keys, head_off, DC, sh);
@@ -112,23 +147,16 @@ void attend_chunk(const Item& it, const T* q, const T* k_cache, const T* v_cache
         for (int64_t g = 0; g < groups; ++g) {
             vf16 s[KEY_TILE];
             key_major_scores<DC>(kbuf, nk, qt[g], s);
-            vf16 mx = neg;
-            for (int64_t j = 0; j < nk; ++j) {
-                if (diagonal) s[j] = (vi16{} + static_cast<int32_t>(k0 + j)) <= row_pos[g] ? s[j] : neg;
-                mx = mx > s[j] ? mx : s[j];
+            float* sc = reinterpret_cast<float*>(s);
+            const int32_t* pos = reinterpret_cast<const int32_t*>(row_pos + g);
+            float *mg = reinterpret_cast<float*>(m + g), *lg = reinterpret_cast<float*>(l + g);
+            if constexpr (VF16_REGS < 32) {
+                for (int h = 0; h < 16; h += 8)
+                    softmax_tile_lanes<vf8, vi8>(sc + h, nk, diagonal, k0, pos + h, mg + h, lg + h, alpha + 16 * g + h,
+                                                 p[0] + 16 * g + h);
+            } else {
+                softmax_tile_lanes<vf16, vi16>(sc, nk, diagonal, k0, pos, mg, lg, alpha + 16 * g, p[0] + 16 * g);
             }
-            const vf16 m_new = m[g] > mx ? m[g] : mx;
-            const vf16 a = exp16(m[g] - m_new);  // 0 (underflow) on a row's first tile; 1 where nothing is new
-            vf16 sum = zero;
-            for (int64_t j = 0; j < nk; ++j) {
-                vf16 e = exp16(s[j] - m_new);
-                e = s[j] > neg ? e : zero;  // masked keys: exactly 0
-                store16(p[j] + 16 * g, e);
-                sum += e;
-            }
-            l[g] = l[g] * a + sum;
-            m[g] = m_new;
-            store16(alpha + 16 * g, a);
         }
         scale_accumulate<DC, DC>(acc, alpha, p[0], 1, MAX_ROWS, vrow, nk, 16 * groups);
     }

@@ -50,13 +50,21 @@ inline vf16 exp2_16(vf16 t) {
     return p * (vf16)bits;  // a cast between vector types of one size reinterprets the bits
 }
 
-// fast_exp (common.h) on 16 lanes: the same polynomial and clamp.
-inline vf16 exp16(vf16 x) {
-    const vf16 lo = vf16{} - 87.0f, hi = vf16{} + 88.0f;
+// fast_exp (common.h) on a vector of lanes (16: vf16, 8: vec16.h's vf8), the same polynomial and clamp:
+// floor(t + 0.5) as a truncating conversion of a value made positive first (t >= -126 after the clamp).
+template <typename VF, typename VI>
+inline VF exp_lanes(VF x) {
+    const VF lo = VF{} - 87.0f, hi = VF{} + 88.0f;
     x = x < lo ? lo : x;
     x = x > hi ? hi : x;
-    return exp2_16(x * 1.44269504088896341f);
+    const VF t = x * 1.44269504088896341f;
+    const VI n = __builtin_convertvector(t + 128.5f, VI) - 128;
+    const VF p = exp2_poly(t - __builtin_convertvector(n, VF));
+    const VI bits = (n + 127) << 23;
+    return p * (VF)bits;  // a cast between vector types of one size reinterprets the bits
 }
+
+inline vf16 exp16(vf16 x) { return exp_lanes<vf16, vi16>(x); }
 
 // Scores s (16 lanes; lanes from `visible` on are not keys this row sees) become the tile's softmax numerators
 // exp(s - m_new) (0 past `visible`), with the row's running max m and sum l updated; returns the factor the

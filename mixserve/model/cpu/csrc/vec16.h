@@ -31,6 +31,7 @@ typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf8u __attribute__((vector_size(32), aligned(4)));
 inline vf8 load8(const float* p) { return *reinterpret_cast<const vf8u*>(p); }
 inline void store8(float* p, vf8 v) { *reinterpret_cast<vf8u*>(p) = v; }
+typedef int32_t vi8 __attribute__((vector_size(32)));
 
 // One level of summing 16 vectors into one vector of 16 sums: a and b each hold keys' partial sums in
 // blocks of 2H lanes; the result holds a's keys then b's in blocks of H lanes, each block the sum of
