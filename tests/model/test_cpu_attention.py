@@ -67,10 +67,18 @@ def run_random_batch(seed: int, hq: int, hkv: int, d: int, bs: int, dtype: torch
     return worst
 
 
-# (9, 3, 64) and (6, 3, 128): decodes take the few-row score path (vec16.h), chunks the key-major one
-# (paged_chunk.h); (8, 1, 128): a tile of 16 tokens fills all 128 rows
+def bf16_bound(d: int) -> float:
+    """Inputs are bf16 and the sums float32: rounding the output to bf16 loses 2^-8 relative on values of
+    magnitude up to ~2. With AVX512-BF16 (head dims a multiple of 32) P.V runs vdpbf16ps on probabilities
+    rounded to bf16, as torch's own CPU flash attention does for bf16 (its attn_reduced copy): that adds at
+    most 2^-9 * sum_j p_j |v_j| <= 2^-9 * max |v| (under 4.5 for these N(0, 1) values)."""
+    return 2 ** -8 * 2 + (2 ** -9 * 4.5 if ops.cpu_features().avx512_bf16 and d % 32 == 0 else 0.0)
+
+
+# Head dims 32, 64, 80, 96, 128: decodes take the decode item (paged_decode.h), chunks the key-major one
+# (paged_chunk.h); 16: the generic tile loop; (8, 1, 128): a tile of 16 tokens fills all 128 rows
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (6, 3, 128), (8, 8, 16), (8, 1, 128), (4, 2, 80),
-                                              (16, 2, 32)])
+                                              (16, 2, 32), (12, 4, 96)])
 @pytest.mark.parametrize("bs", [1, 4, 16])
 def test_float32_mixed_batches_match_the_definition(hq: int, hkv: int, d: int, bs: int) -> None:
     for seed in range(3):
@@ -78,27 +86,23 @@ def test_float32_mixed_batches_match_the_definition(hq: int, hkv: int, d: int, b
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (8, 1, 128), (6, 3, 128)])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (8, 1, 128), (6, 3, 128), (12, 4, 96), (4, 2, 80)])
 def test_long_contexts_and_chunks_match_the_definition(hq: int, hkv: int, d: int, dtype: torch.dtype) -> None:
     # Chunks of up to 90 tokens at positions up to 400: many key tiles before each chunk's diagonal, a
     # diagonal crossing tiles and tokens; partial last tiles (rows not a multiple of 16).
     for seed in range(2):
-        bound = 2e-5 if dtype == torch.float32 else 2 ** -8 * 2
+        bound = 2e-5 if dtype == torch.float32 else bf16_bound(d)
         assert run_random_batch(seed, hq, hkv, d, 16, dtype, max_start=400, max_chunk=90) < bound
 
 
 # (9, 3, 64), (6, 3, 128): decodes are one item over every KV head, their rows widened per key tile;
 # (16, 16, 128): a key's row of all heads (2048) is past the widening buffer, so decodes go per KV head
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (6, 3, 128), (4, 2, 80), (16, 16, 128)])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (6, 3, 128), (4, 2, 80), (16, 16, 128), (12, 4, 96),
+                                              (16, 2, 32)])
 @pytest.mark.parametrize("bs", [1, 4, 16])
 def test_bfloat16_mixed_batches_match_the_definition(hq: int, hkv: int, d: int, bs: int) -> None:
-    # Inputs are bf16 and the sums float32: rounding the output to bf16 loses 2^-8 relative on values of
-    # magnitude up to ~2. With AVX512-BF16 (head dims a multiple of 32) P.V runs vdpbf16ps on probabilities
-    # rounded to bf16, as torch's own CPU flash attention does for bf16 (its attn_reduced copy): that adds
-    # at most 2^-9 * sum_j p_j |v_j| <= 2^-9 * max |v| (under 4.5 for these N(0, 1) values, ~100 keys).
-    tol = 2 ** -8 * 2 + (2 ** -9 * 4.5 if ops.cpu_features().avx512_bf16 and d % 32 == 0 else 0.0)
     for seed in range(3):
-        assert run_random_batch(seed, hq, hkv, d, bs, torch.bfloat16) < tol
+        assert run_random_batch(seed, hq, hkv, d, bs, torch.bfloat16) < bf16_bound(d)
 
 
 # A decode runs its keys in spans (256 keys for 9 heads, 128 for 32: SPAN_FLOATS / heads): contexts on
@@ -111,7 +115,7 @@ def test_decodes_across_span_edges_match_the_definition(hq: int, hkv: int, d: in
                                                         q_scale: float) -> None:
     layout = [(c - 1, 1) for c in (1, 127, 128, 129, 255, 256, 257, 513, 700)] + [(300, 48)]
     # bf16 inputs, float32 sums, bf16 output; plus the bf16 probabilities' rounding (see below)
-    tol = 2e-5 if dtype == torch.float32 else 2 ** -8 * 2 + 2 ** -9 * 4.5
+    tol = 2e-5 if dtype == torch.float32 else bf16_bound(d)
     assert run_random_batch(0, hq, hkv, d, 16, dtype, layout=layout, q_scale=q_scale) < tol
 
 

@@ -1,6 +1,6 @@
 """Builds the C++ CPU kernels (csrc/: paged attention, small layer ops) once per machine; loads them (ctypes).
 
-The kernels have a plain C ABI and include no torch header, so g++ builds them in a few seconds with no
+The kernels have a plain C ABI and include no torch header, so g++ builds them in ~15 s with no
 ninja and no torch build machinery; `pip install` stays compiler-free. The library is cached under
 $MIXSERVE_CACHE (default ~/.cache/mixserve), keyed by the source, the flags, the compiler and the CPU's
 flags: `-march=native` code built on one CPU never runs on another. A machine without a compiler gets
@@ -30,7 +30,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "few_row_linear.cpp")
 HEADERS = (CSRC / "common.h", CSRC / "vec16.h", CSRC / "paged_tiles.h", CSRC / "paged_decode.h",
            CSRC / "softmax16.h", CSRC / "paged_chunk.h", CSRC / "few_row_simd.h", CSRC / "few_row_amx.h",
-           CSRC / "bf16_dot.h", CSRC / "paged_chunk_bf16.h")
+           CSRC / "bf16_dot.h", CSRC / "paged_chunk_bf16.h", CSRC / "paged_items.h")
 # The parts of -ffast-math the kernel wants (reassociated sums vectorise; it uses no infinities), named
 # one by one: -ffast-math itself links crtfastmath.o, whose start-up code turns on flush-to-zero and
 # denormals-are-zero for the whole process once the library loads, changing everyone else's numerics.

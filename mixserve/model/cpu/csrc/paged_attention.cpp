@@ -1,24 +1,23 @@
 // Causal attention of a whole mixed batch (decodes and prefill chunks) over the paged KV cache, read in
 // place through each sequence's block table: no gathered copy of any context, one call per layer.
 //
-// Plain C ABI (called through ctypes), no torch headers: it builds in about a second with g++ and needs
-// no ninja. OpenMP shares torch's libgomp (same soname, already loaded), so the step thread's bound
-// worker pool runs it.
+// Plain C ABI (called through ctypes), no torch headers: g++ alone builds it (~12 s: five head dims x two
+// dtypes of item kernels, paged_items.h), no ninja. OpenMP shares torch's libgomp (same soname, already
+// loaded), so the step thread's bound worker pool runs it.
 //
 // Work item = (sequence, KV head, tile of up to TILE_TOKENS query tokens): the tile's query rows are every
 // query head of that KV head's GQA group, so each K/V element read from the cache serves G heads. Keys go
 // in tiles of KEY_TILE (16 = one AVX-512 register of fp32 scores per row); online softmax per row. A
 // decode is one item over all its KV heads instead (paged_decode.h), reading each block once; a tile of 8+
-// rows at head dim 64 or 128 (a prefill chunk) takes the key-major kernel (paged_chunk.h).
+// rows at a head dim paged_items.h lists (a prefill chunk) takes the key-major kernel (paged_chunk.h).
 #include <omp.h>
 
 #include <type_traits>
 #include <vector>
 
 #include "common.h"
-#include "paged_chunk.h"
-#include "paged_chunk_bf16.h"
 #include "paged_decode.h"
+#include "paged_items.h"
 #include "paged_tiles.h"
 #include "softmax16.h"
 #include "vec16.h"
@@ -172,7 +171,8 @@ void run(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* 
     // decodes fill in behind them on whichever thread is free.
     // A decode is one item over all KV heads (kv_head -1: attend_decode) where its rows fit a tile (and, in
     // bf16, a key's row of every KV head fits the widening buffer).
-    const bool whole = (sh.head_dim == 64 || sh.head_dim == 128) && sh.num_heads <= MAX_ROWS
+    const ItemKernels<T> kernels = item_kernels<T>(sh.head_dim);
+    const bool whole = kernels.decode && sh.num_heads <= MAX_ROWS
                        && (sizeof(T) == sizeof(float) || sh.num_kv_heads * sh.head_dim <= MAX_DECODE_ROW);
     for (int64_t s = 0; s < num_seqs; ++s) {
         if (whole && query_start[s + 1] - query_start[s] == 1) {
@@ -196,21 +196,14 @@ void run(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* 
     // memory, so it streams the blocks (decodes ~1.1x faster than one head per grab, measured side by side).
     const int64_t grab = whole ? 1 : sh.num_kv_heads;
     // Chunk tiles (8+ query rows) take the key-major kernel (paged_chunk.h) where the head dim allows.
-    const bool chunked = sh.head_dim == 64 || sh.head_dim == 128;  // decodes are whole items then: 1 balances them
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, grab)
     for (int64_t i = 0; i < n; ++i) {
         if (items[i].kv_head < 0) {
-            (sh.head_dim == 64 ? attend_decode<T, 64> : attend_decode<T, 128>)(items[i], q, k_cache, v_cache, out,
-                                                                                seq_lens, block_tables, sh);
+            kernels.decode(items[i], q, k_cache, v_cache, out, seq_lens, block_tables, sh);
             continue;
         }
-        if (chunked && (items[i].q_end - items[i].q_begin) * G >= 8) {
-            if constexpr (BF16_DOT && std::is_same_v<T, uint16_t>)  // vdpbf16ps on the cache's bf16 (bf16_dot.h)
-                (sh.head_dim == 64 ? attend_chunk_bf16<64> : attend_chunk_bf16<128>)(
-                    items[i], q, k_cache, v_cache, out, query_start, seq_lens, block_tables, sh);
-            else
-                (sh.head_dim == 64 ? attend_chunk<T, 64> : attend_chunk<T, 128>)(
-                    items[i], q, k_cache, v_cache, out, query_start, seq_lens, block_tables, sh);
+        if (kernels.chunk && (items[i].q_end - items[i].q_begin) * G >= 8) {
+            kernels.chunk(items[i], q, k_cache, v_cache, out, query_start, seq_lens, block_tables, sh);
             continue;
         }
         tile(items[i], q, k_cache, v_cache, out, query_start, seq_lens, block_tables, sh);
