@@ -170,10 +170,10 @@ void run(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* 
     // Longest contexts first: with dynamic scheduling, the big prefill tiles start early and the cheap
     // decodes fill in behind them on whichever thread is free.
     // A decode is one item over all KV heads (kv_head -1: attend_decode) where its rows fit a tile (and, in
-    // bf16, a key's row of every KV head fits the widening buffer).
+    // bf16 widened to float32, a key's row of every KV head fits the widening buffer).
     const ItemKernels<T> kernels = item_kernels<T>(sh.head_dim);
     const bool whole = kernels.decode && sh.num_heads <= MAX_ROWS
-                       && (sizeof(T) == sizeof(float) || sh.num_kv_heads * sh.head_dim <= MAX_DECODE_ROW);
+                       && sh.num_kv_heads * sh.head_dim <= kernels.max_decode_row;
     for (int64_t s = 0; s < num_seqs; ++s) {
         if (whole && query_start[s + 1] - query_start[s] == 1) {
             items.push_back({s, -1, query_start[s], query_start[s] + 1});

@@ -98,6 +98,13 @@ inline float softmax_span_row(float* s, int64_t n, float& m, float& l, int32_t* 
     return alpha;
 }
 
+// True where a decode reads its K/V rows as they lie (float32, and bf16 through vdpbf16ps), so no row of every KV
+// head has to fit a widening buffer (MAX_DECODE_ROW).
+template <typename T, int DC>
+constexpr bool decode_reads_in_place() {
+    return sizeof(T) == sizeof(float) || (BF16_DOT && DC % 32 == 0);
+}
+
 // One decode (a single query token) over every KV head at once: a key's rows for all heads lie side by side
 // in the cache, so each block is streamed once, where an item per KV head read it num_kv_heads times at a
 // stride.
@@ -113,11 +120,11 @@ void attend_decode(const Item& it, const T* q, const T* k_cache, const T* v_cach
     alignas(64) int32_t pp[SPAN_FLOATS / 2];  // bf16 path: pp[h * span / 2 + jj], keys 2jj, 2jj + 1 as a pair
     float m[MAX_ROWS], l[MAX_ROWS], ones[MAX_ROWS];
     const float *krow[KEY_TILE], *vrow[KEY_TILE], *kh[KEY_TILE], *vh[KEY_TILE];
-    constexpr int64_t W = sizeof(T) == sizeof(float) ? 1 : MAX_DECODE_ROW;
+    // bf16 with AVX512-BF16: scores and P.V by vdpbf16ps on K and V as they lie in the cache (bf16_dot.h)
+    constexpr bool DOT = !std::is_same_v<T, float> && decode_reads_in_place<T, DC>();
+    constexpr int64_t W = sizeof(T) == sizeof(float) || DOT ? 1 : MAX_DECODE_ROW;  // widened bf16 rows
     alignas(64) float kw[KEY_TILE][W];
     alignas(64) float vw[KEY_TILE][W];
-    // bf16 with AVX512-BF16: scores and P.V by vdpbf16ps on K and V as they lie in the cache (bf16_dot.h)
-    constexpr bool DOT = BF16_DOT && !std::is_same_v<T, float> && DC % 32 == 0;
     alignas(64) static const uint16_t zero_row[DC] = {};
     const T *kraw[KEY_TILE], *kq[KEY_TILE], *vraw[KEY_TILE], *vq[KEY_TILE];
     for (int64_t h = 0; h < rows; ++h) {
