@@ -160,16 +160,7 @@ void attend_chunk(const Item& it, const T* q, const T* k_cache, const T* v_cache
         }
         scale_accumulate<DC, DC>(acc, alpha, p[0], 1, MAX_ROWS, vrow, nk, 16 * groups);
     }
-    for (int64_t g = 0; g < groups; ++g) {
-        alignas(64) float lsum[16];
-        store16(lsum, l[g]);
-        for (int64_t i = 0; i < 16 && 16 * g + i < rows; ++i) {
-            const int64_t r = 16 * g + i;
-            T* dst = out + (it.q_begin + r / G) * sh.o_stride_t + (it.kv_head * G + r % G) * sh.o_stride_h;
-            const float inv = lsum[i] > 0.f ? 1.f / lsum[i] : 0.f;
-            for (int64_t d = 0; d < DC; ++d) store(dst + d, acc[r][d] * inv);
-        }
-    }
+    write_chunk_rows<T, DC>(it, acc, l, rows, G, sh, out);
 }
 
 }  // namespace mixserve

@@ -116,16 +116,7 @@ void attend_chunk_bf16(const Item& it, const uint16_t* q, const uint16_t* k_cach
         for (int64_t r = 0; r < 16 * groups; r += RB)  // 16 rows a group: whole blocks
             pair_rows<DC, RB>(acc + r, pp[0] + r, 1, MAX_ROWS, vp, rescaled[r / 16] ? alpha + r : nullptr);
     }
-    for (int64_t g = 0; g < groups; ++g) {
-        alignas(64) float lsum[16];
-        store16(lsum, l[g]);
-        for (int64_t i = 0; i < 16 && 16 * g + i < rows; ++i) {
-            const int64_t r = 16 * g + i;
-            uint16_t* dst = out + (it.q_begin + r / G) * sh.o_stride_t + (it.kv_head * G + r % G) * sh.o_stride_h;
-            const float inv = lsum[i] > 0.f ? 1.f / lsum[i] : 0.f;
-            for (int64_t d = 0; d < DC; ++d) store(dst + d, acc[r][d] * inv);
-        }
-    }
+    write_chunk_rows<uint16_t, DC>(it, acc, l, rows, G, sh, out);
 }
 #else
 template <int DC>

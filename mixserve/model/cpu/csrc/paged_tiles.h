@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "common.h"
+#include "vec16.h"
 
 namespace mixserve {
 
@@ -85,6 +86,23 @@ inline void prefetch_ahead(const T* k_cache, const T* v_cache, const int64_t* ta
     if (p0 < p1) {
         prefetch_rows(k_cache, table, p0, p1 - p0, head_off, D, sh, heads);
         prefetch_rows(v_cache, table, p0, p1 - p0, head_off, D, sh, heads);
+    }
+}
+
+// A chunk item's output: row r (query token r / G, head kv_head * G + r % G) is acc[r] / its softmax sum, the
+// sums held as one vf16 per group of 16 rows (0 for a row that saw no key).
+template <typename T, int DC>
+inline void write_chunk_rows(const Item& it, const float (*acc)[DC], const vf16* l, int64_t rows, int64_t G,
+                             const Shape& sh, T* out) {
+    for (int64_t g = 0; g < (rows + 15) / 16; ++g) {
+        alignas(64) float lsum[16];
+        store16(lsum, l[g]);
+        for (int64_t i = 0; i < 16 && 16 * g + i < rows; ++i) {
+            const int64_t r = 16 * g + i;
+            T* dst = out + (it.q_begin + r / G) * sh.o_stride_t + (it.kv_head * G + r % G) * sh.o_stride_h;
+            const float inv = lsum[i] > 0.f ? 1.f / lsum[i] : 0.f;
+            for (int64_t d = 0; d < DC; ++d) store(dst + d, acc[r][d] * inv);
+        }
     }
 }
 
