@@ -52,7 +52,10 @@ SIGNATURES = {
     "mixserve_few_row_max_rows": [_I, _I64],
     "mixserve_few_row_pack": [_I, _P, _I64, _I64, _P],
     "mixserve_few_row_linear": [_I, _P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I],
+    "mixserve_kernel_isa": [],
 }
+# mixserve_kernel_isa's bits: the extensions the library was compiled for (not the CPU's: see kernel_isa)
+ISA_BITS = (("avx2", 1), ("avx512f", 2), ("avx512_bf16", 4), ("amx_bf16", 8))
 
 
 class KernelBuildError(RuntimeError):
@@ -66,10 +69,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mixserve"
 
 
+def march() -> str:
+    """The -march this process builds the kernels for: $MIXSERVE_KERNEL_MARCH, else native."""
+    return os.environ.get("MIXSERVE_KERNEL_MARCH") or "native"
+
+
 def flags() -> list[str]:
-    """FLAGS with the -march this process builds for ($MIXSERVE_KERNEL_MARCH, else native)."""
-    march = os.environ.get("MIXSERVE_KERNEL_MARCH") or "native"
-    return [f.replace("@", march) if f.startswith("-march=") else f for f in FLAGS]
+    """FLAGS with the -march this process builds for."""
+    return [f.replace("@", march()) if f.startswith("-march=") else f for f in FLAGS]
 
 
 def cpu_flags() -> str:
@@ -134,6 +141,32 @@ def load_library() -> ctypes.CDLL:
     except (OSError, AttributeError) as e:
         raise KernelBuildError(f"loading {target} failed: {e}") from None
     return lib
+
+
+def reset() -> None:
+    """Forget the loaded library, so the next call loads the build for the -march set now (tests of both
+    builds in one process: the native one and $MIXSERVE_KERNEL_MARCH=haswell's AVX2 code)."""
+    load_library.cache_clear()
+    available.cache_clear()
+
+
+def kernel_isa() -> frozenset[str]:
+    """The ISA extensions the loaded library was compiled for (empty where it does not load): what decides
+    which code runs is the build, which on an AVX-512 CPU may be the AVX2 one."""
+    try:
+        bits = int(load_library().mixserve_kernel_isa())
+    except KernelBuildError:
+        return frozenset()
+    return frozenset(name for name, bit in ISA_BITS if bits & bit)
+
+
+def describe() -> str:
+    """One line for a bench's header: the -march and the extensions the kernels were built with."""
+    why_not = available()
+    if why_not is not None:
+        return f"none ({why_not})"
+    isa = kernel_isa()
+    return f"-march={march()}: " + ("+".join(n for n, _ in ISA_BITS if n in isa) or "no AVX2")
 
 
 @functools.cache

@@ -39,7 +39,6 @@ AVX512-BF16.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +59,6 @@ class PanelWeight:
     max_rows: int  # the kernel's mixserve_few_row_max_rows: the linears send 1..max_rows rows here
 
 
-@functools.cache
 def panel_width() -> int:
     """The panel width the kernel was built with (64 AVX-512, 16 AVX2); 0 where it was not (neither, or no C++
     kernels)."""

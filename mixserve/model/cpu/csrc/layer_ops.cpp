@@ -78,6 +78,26 @@ void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t inter, int num
 
 extern "C" {
 
+// The vector ISA this library was compiled for (-march), as bits: 1 AVX2 with FMA, 2 AVX-512F, 4 AVX512-BF16,
+// 8 AMX-BF16. The code a CPU runs is the build's, not the CPU's flags ($MIXSERVE_KERNEL_MARCH=haswell builds
+// the AVX2 code on an AVX-512 machine), so what is fast or exact here is asked of the build.
+int mixserve_kernel_isa() {
+    int bits = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    bits |= 1;
+#endif
+#ifdef __AVX512F__
+    bits |= 2;
+#endif
+#ifdef __AVX512BF16__
+    bits |= 4;
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    bits |= 8;
+#endif
+    return bits;
+}
+
 // dtype: 0 = float32, 1 = bfloat16 (as for the attention kernel). residual may be null (plain RMSNorm).
 int mixserve_rms_norm(int dtype, const void* x, int64_t x_stride, void* residual, const void* w, void* out,
                       int64_t rows, int64_t hidden, float eps, int num_threads) {
