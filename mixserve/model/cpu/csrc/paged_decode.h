@@ -46,7 +46,7 @@ struct LineFeed {
     int64_t total() const { return rows * lines; }
     void issue(int64_t count) {
         for (; count > 0 && r < rows; --count) {
-            __builtin_prefetch(row[r] + 64 * b);
+            prefetch_l2(row[r] + 64 * b);
             if (++b == lines) b = 0, ++r;
         }
     }

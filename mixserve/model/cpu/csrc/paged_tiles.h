@@ -18,6 +18,11 @@ constexpr int MAX_HEAD_DIM = 256;
 // A finite "minus infinity": the library is built with -ffinite-math-only, which assumes no infinities.
 constexpr float NEG_BIG = -1e30f;
 
+// A cache line asked for ahead of its use goes to L2 (prefetcht1), not L1: a decode streams ~100 KB of K/V a
+// sequence and layer, and prefetches into L1 held its few fill buffers until the line arrived, so the loads
+// they were for queued behind them (docs/decisions/cpu-prefetch-to-l2.md).
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+
 struct Item {
     int64_t seq, kv_head, q_begin, q_end;  // q_begin/q_end: packed token indices of the tile
 };
