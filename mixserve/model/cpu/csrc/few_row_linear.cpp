@@ -87,31 +87,53 @@ constexpr int BF16_FEW_ROWS = 8;
 constexpr int BF16_FEW_ROWS = 256;
 #endif
 
+// Sets of sums a pass of ROWS rows keeps, each over every S-th k step, added up at the end: an FMA waits ~4
+// cycles for its sum, so fewer than 8 chains of sums leave the FMA ports idle and the memory stream with them
+// (1 row on AVX2 has 2 chains: 4 sets make 8). Capped by the registers (sums, the weight vectors, 1 input).
+template <int ROWS>
+constexpr int sum_sets() {
+    int sets = (8 + ROWS * VECS - 1) / (ROWS * VECS);
+    while (sets > 1 && sets * ROWS * VECS + VECS + 1 > VREGS) --sets;
+    return sets;
+}
+
 // `ROWS` rows of x against one panel of `depth` k steps, sums in float32; prefetches the next panel's k
 // steps as `ahead` says.
 template <typename E, int ROWS>
 void panel_pass(const typename E::T* x, int64_t ldx, const typename E::T* panel, int64_t depth,
                 const typename E::T* bias, typename E::T* out, int64_t ldo, int64_t valid, Ahead ahead) {
-    Vf acc[ROWS][VECS];
+    constexpr int S = sum_sets<ROWS>();
+    Vf acc[S][ROWS][VECS];
     for (int v = 0; v < VECS; ++v) {
         const Vf b = bias ? E::bias(lanes(valid, v), bias + LANES * v) : vzero();
-        for (int r = 0; r < ROWS; ++r) acc[r][v] = b;
-    }
-    const char* pf = ahead.next + ahead.begin * ROW_BYTES;
-    for (int64_t k0 = 0; k0 < depth; k0 += ahead.every, pf += ROW_BYTES) {
-        prefetch_row(pf);
-        const int64_t k1 = std::min(depth, k0 + ahead.every);
-        for (int64_t kk = k0; kk < k1; ++kk) {
-            typename E::W w[VECS];
-            for (int v = 0; v < VECS; ++v) w[v] = E::weight(panel, kk, v);
-            for (int r = 0; r < ROWS; ++r) {
-                const typename E::W xb = E::input(x + r * ldx, kk);
-                for (int v = 0; v < VECS; ++v) acc[r][v] = E::madd(acc[r][v], xb, w[v]);
-            }
+        for (int r = 0; r < ROWS; ++r) {
+            acc[0][r][v] = b;
+            for (int s = 1; s < S; ++s) acc[s][r][v] = vzero();
         }
     }
+    const char* pf = ahead.next + ahead.begin * ROW_BYTES;
+    int64_t until_prefetch = 0;  // k steps to the next prefetch: one panel row every `ahead.every` steps
+    auto step = [&](Vf (&sums)[ROWS][VECS], int64_t kk) {
+        if (until_prefetch-- == 0) {
+            prefetch_row(pf);
+            pf += ROW_BYTES, until_prefetch = ahead.every - 1;
+        }
+        typename E::W w[VECS];
+        for (int v = 0; v < VECS; ++v) w[v] = E::weight(panel, kk, v);
+        for (int r = 0; r < ROWS; ++r) {
+            const typename E::W xb = E::input(x + r * ldx, kk);
+            for (int v = 0; v < VECS; ++v) sums[r][v] = E::madd(sums[r][v], xb, w[v]);
+        }
+    };
+    int64_t kk = 0;
+    for (; kk + S <= depth; kk += S)
+        for (int s = 0; s < S; ++s) step(acc[s], kk + s);
+    for (; kk < depth; ++kk) step(acc[0], kk);
+    for (int s = 1; s < S; ++s)
+        for (int r = 0; r < ROWS; ++r)
+            for (int v = 0; v < VECS; ++v) acc[0][r][v] = vadd(acc[0][r][v], acc[s][r][v]);
     for (int r = 0; r < ROWS; ++r)
-        for (int v = 0; v < VECS; ++v) E::store(out + r * ldo + LANES * v, lanes(valid, v), acc[r][v]);
+        for (int v = 0; v < VECS; ++v) E::store(out + r * ldo + LANES * v, lanes(valid, v), acc[0][r][v]);
 }
 
 template <typename E>
@@ -146,8 +168,9 @@ void run_panels(const void* xv, int64_t ldx, int64_t m, const void* panels_v, in
             const T* panel = panels + p * stride;
             const char* next = reinterpret_cast<const char*>(p + 1 < last ? panel + stride : panel);
             const int64_t valid = std::min<int64_t>(PANEL, n - p * PANEL);
-            for (int64_t j = 0, r0 = 0; r0 < m; r0 += MAX_ROWS, ++j) {
-                const int rows = static_cast<int>(std::min<int64_t>(MAX_ROWS, m - r0));
+            // rows shared evenly by the passes (32: 6 6 5 5 5 5, not 6 6 6 6 6 2: a pass of few rows is slow)
+            for (int64_t j = 0, r0 = 0; r0 < m; r0 += m / passes + (j < m % passes), ++j) {
+                const int rows = static_cast<int>(m / passes + (j < m % passes));
                 pass_rows<E>(rows, x + r0 * ldx, ldx, panel, depth, bias ? bias + p * PANEL : nullptr,
                              out + r0 * ldo + p * PANEL, ldo, valid, Ahead{next, j * depth / passes, passes});
             }

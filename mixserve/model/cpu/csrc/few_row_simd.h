@@ -5,7 +5,7 @@
 // input beside them: AVX-512 6 x 4 (24 + 4 + 1 of 32 registers, a 64-column panel), AVX2 6 x 2 (12 + 2 + 1
 // of 16, a 16-column panel: BLIS's Haswell shape). A panel row is then 4 cache lines or 1.
 // The two blocks below mirror each other on purpose: the same names (lanes, vzero, vload, vbroadcast,
-// vfmadd, vload_masked, vstore_masked), one intrinsic each; folding them into macros would hide which
+// vfmadd, vadd, vload_masked, vstore_masked), one intrinsic each; folding them into macros would hide which
 // instruction each ISA runs.
 #pragma once
 #include <immintrin.h>
@@ -20,7 +20,7 @@ namespace {
 
 using Vf = __m512;
 using Mask = __mmask16;
-constexpr int LANES = 16, VECS = 4, MAX_ROWS = 6;
+constexpr int LANES = 16, VECS = 4, MAX_ROWS = 6, VREGS = 32;
 // float32 rows the panels take against oneDNN's GEMM: on a Zen 5 (2026-12-02) 1.1-2.4x faster up to 128 rows,
 // a tie at 256. Where MKL takes the rest (Intel, mkl_linear.py) it caps them at 32, MKL's crossover there.
 constexpr int F32_FEW_ROWS = 128;
@@ -34,6 +34,7 @@ inline Vf vzero() { return _mm512_setzero_ps(); }
 inline Vf vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vf vbroadcast(float x) { return _mm512_set1_ps(x); }
 inline Vf vfmadd(Vf a, Vf b, Vf acc) { return _mm512_fmadd_ps(a, b, acc); }
+inline Vf vadd(Vf a, Vf b) { return _mm512_add_ps(a, b); }
 inline Vf vload_masked(Mask m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
 inline void vstore_masked(float* p, Mask m, Vf v) { _mm512_mask_storeu_ps(p, m, v); }
 
@@ -46,7 +47,7 @@ namespace {
 
 using Vf = __m256;
 using Mask = __m256i;  // all ones in a lane that is loaded or stored
-constexpr int LANES = 8, VECS = 2, MAX_ROWS = 6;
+constexpr int LANES = 8, VECS = 2, MAX_ROWS = 6, VREGS = 16;
 // float32 rows the panels take: on a Zen 3 (2026-12-02) they beat oneDNN 1.3-3x up to 96 rows, tie at
 // 128-256 and lose from 384 (1.3x); MKL is slower than both there (mkl_linear.py)
 constexpr int F32_FEW_ROWS = 128;
@@ -59,6 +60,7 @@ inline Vf vzero() { return _mm256_setzero_ps(); }
 inline Vf vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vf vbroadcast(float x) { return _mm256_set1_ps(x); }
 inline Vf vfmadd(Vf a, Vf b, Vf acc) { return _mm256_fmadd_ps(a, b, acc); }
+inline Vf vadd(Vf a, Vf b) { return _mm256_add_ps(a, b); }
 inline Vf vload_masked(Mask m, const float* p) { return _mm256_maskload_ps(p, m); }
 inline void vstore_masked(float* p, Mask m, Vf v) { _mm256_maskstore_ps(p, m, v); }
 
