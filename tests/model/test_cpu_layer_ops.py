@@ -1,4 +1,5 @@
-"""The C++ layer ops of the CPU set (mixserve/model/cpu/layer_ops.py) against the torch set they replace."""
+"""The C++ layer ops of the CPU set (mixserve/model/cpu/layer_ops.py) against the torch set they replace, on
+the native build and the AVX2 one (conftest.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch
 from mixserve.model import ops
 from mixserve.model.cpu import layer_ops
 from mixserve.model.rope import apply_rotary
+
+pytestmark = pytest.mark.usefixtures("kernel_build")
 
 # fp32: only the order of float operations differs. bf16: we round once where torch rounds after each op,
 # so results may differ by one bf16 ulp (2^-8 relative) on values of magnitude up to a few.
