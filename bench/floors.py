@@ -3,7 +3,10 @@
 - copy bandwidth: 2 x bytes / time of a 512 MiB torch copy (read + write), best of 5;
 - weight bytes: the model's parameter count (from its config, no weights loaded) x the dtype's size;
 - GEMM rate: oneDNN fp32 (or bf16) on the model's own QKV and gate/up shapes at 256 rows;
-- CPU flags: avx2, avx512f, avx512_bf16, amx_bf16 from /proc/cpuinfo and torch's CPU capability.
+- few-row rate: our decode linear (the panels, mixserve/model/cpu/few_row_linear.py) at its best row count
+  on the gate/up shape, the weight in cache: the FMA rate a compute-bound decode step can reach;
+- CPU flags: avx2, avx512f, avx512_bf16, amx_bf16 from /proc/cpuinfo and torch's CPU capability, and the
+  ISA the C++ kernels were built for ($MIXSERVE_KERNEL_MARCH=haswell: the AVX2 code on any x86 CPU).
 
 bench/offline.py prints them; bench/forward.py can too (a script in bench/ has bench/ on sys.path, so
 `from floors import ...`; with the repository root on sys.path, `from bench.floors import ...`):
@@ -152,6 +155,45 @@ def gemm_rates(cfg: ModelConfig, dtype: torch.dtype = torch.float32, rows: int =
     return out
 
 
+FEW_ROWS = (6, 12, 24, 30, 36, 48)
+
+
+def few_row_rate(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                 min_seconds: float = 0.1) -> GemmRate | None:
+    """FLOP/s of the few-row kernel on the gate/up shape at the best of FEW_ROWS (best of 3 timed runs each),
+    the weight in cache; None where the build packs no weight of this dtype."""
+    from mixserve.model.cpu import few_row_linear
+
+    _, k, n = model_gemm_shapes(cfg)[1]
+    packed = few_row_linear.pack(torch.randn(n, k, dtype=dtype))
+    if packed is None:
+        return None
+    best: GemmRate | None = None
+    for rows in FEW_ROWS:
+        x = torch.randn(rows, k, dtype=dtype)
+        few_row_linear.linear(x, packed, None)
+        calls, start = 0, time.perf_counter()
+        while time.perf_counter() - start < min_seconds / 3 or calls < 3:
+            few_row_linear.linear(x, packed, None)
+            calls += 1
+        seconds = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(calls):
+                few_row_linear.linear(x, packed, None)
+            seconds = min(seconds, (time.perf_counter() - start) / calls)
+        rate = GemmRate("few-row", rows, k, n, 2 * rows * k * n / seconds)
+        if best is None or rate.flops_per_s > best.flops_per_s:
+            best = rate
+    return best
+
+
+def kernels_line() -> str:
+    from mixserve.model.cpu import build
+
+    return build.describe()
+
+
 @dataclass(frozen=True)
 class Floors:
     """The four floors of one machine and model at one dtype (`dataclasses.asdict` gives the JSON)."""
@@ -163,6 +205,8 @@ class Floors:
     weight_bytes: int
     dtype: str
     gemms: list[GemmRate]
+    few_row: GemmRate | None = None
+    kernels: str = ""
 
     def lines(self) -> list[str]:
         """One printable line per floor."""
@@ -178,6 +222,9 @@ class Floors:
             f"weights: {self.parameters:,} parameters x {self.dtype} = {gb:.3f} GB "
             f"(>= {1e3 * gb / self.copy_bandwidth_gb_s:.1f} ms a forward at the copy bandwidth)",
             f"oneDNN {self.dtype} GEMM at {GEMM_ROWS} rows: {gemm}",
+            f"C++ kernels {self.kernels}; few-row linear at its best shape: " + (
+                f"{self.few_row.rows}x{self.few_row.k}x{self.few_row.n} {self.few_row.flops_per_s / 1e9:.1f} "
+                "GFLOP/s" if self.few_row else "none for this dtype"),
         ]
 
 
@@ -192,6 +239,8 @@ def floors(cfg: ModelConfig, dtype: torch.dtype = torch.float32, copy_gb_s: floa
         weight_bytes=weight_bytes(cfg, dtype),
         dtype=str(dtype).removeprefix("torch."),
         gemms=gemm_rates(cfg, dtype),
+        few_row=few_row_rate(cfg, dtype),
+        kernels=kernels_line(),
     )
 
 

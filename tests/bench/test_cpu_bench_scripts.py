@@ -38,6 +38,18 @@ def test_gemm_shapes_are_the_fused_qkv_and_gate_up(tiny_model_dir: Path) -> None
     assert shapes == {"qkv": (cfg.hidden_size, qkv), "gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size)}
 
 
+def test_the_few_row_rate_is_of_the_gate_up_shape_at_a_row_count_it_tries(tiny_model_dir: Path) -> None:
+    from mixserve.model.cpu import few_row_linear
+
+    cfg = floors.model_config(str(tiny_model_dir))
+    rate = floors.few_row_rate(cfg, min_seconds=0.01)
+    if few_row_linear.panel_width() == 0:
+        assert rate is None
+        return
+    assert rate is not None and rate.rows in floors.FEW_ROWS and rate.flops_per_s > 0
+    assert (rate.k, rate.n) == (cfg.hidden_size, 2 * cfg.intermediate_size)
+
+
 def test_onednn_linear_computes_x_times_w_transposed() -> None:
     x, w = torch.randn(8, 16), torch.randn(24, 16)
     torch.testing.assert_close(floors.onednn_linear(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
