@@ -24,12 +24,21 @@ ROOT = Path(__file__).resolve().parents[2]
 def child(path: str) -> None:
     """In the AVX2 process: what runs is the AVX2 code, and its answers hold."""
     from mixserve import ModelRunner
+    from mixserve.model import ops
     from tests.runner.drive import Req, drive, interleaved_tables
     from tests.runner.test_tiny_vs_hf import check_mixed_against_hf
 
     assert torch.backends.cpu.get_cpu_capability() == "AVX2"
     assert build.kernel_isa() == {"avx2"}, build.describe()
     check_mixed_against_hf(Path(path))  # fp32: oneDNN (AVX2) GEMMs, AVX2 panels, AVX2 attention and ops
+    cpu = ops.cpu_ops(torch.float32)
+    w, b = torch.randn(960, 576) / 24, torch.randn(960)
+    packed = cpu.pack(w)
+    assert packed.few is not None and packed.few.max_rows == 128
+    for rows in (1, 6, 128, 129, 300):  # GEMV, AVX2 panels, then oneDNN's AVX2 GEMM
+        x = torch.randn(rows, 576)
+        torch.testing.assert_close(cpu.linear(x, packed, b), torch.nn.functional.linear(x, w, b),
+                                   rtol=1e-5, atol=1e-5)
     runs = {}
     for dtype in ("float32", "bfloat16"):
         runner = ModelRunner.from_pretrained(path, num_blocks=64, block_size=4, dtype=dtype)
