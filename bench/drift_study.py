@@ -199,6 +199,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("traces", nargs="*", type=Path, default=DEFAULT_TRACES)
     ap.add_argument("--out", type=Path, help="also write the table here")
     args = ap.parse_args(argv)
+    missing = [str(p) for p in args.traces if not p.exists()]
+    if missing:  # raw traces are not tracked: bench/results/tpot-target/README.md says what made them
+        ap.error(f"no step trace at {missing[0]}: run the target sweep with --step-trace, or name traces")
     traces = {}
     for p in args.traces:
         name = p.name.removesuffix(".steps.jsonl")

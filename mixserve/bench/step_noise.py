@@ -1,11 +1,9 @@
 """A machine's step-time noise, measured, for `mixserve simulate --noise-from`: how far steps ran from the
 time the engine predicted for them, drawn again step by step in a replay.
 
-Why: a step of the same tokens does not take the same time twice. On the 2-core Xeon VM the same 9 decodes
-and 256-token chunk, run 10 times in a row offline with nothing else running, took 460-517 ms; in the
-served full-M runs one planned step in ~30 ran 1.2-1.3x its prediction, with no feature of the step that
-foretold it (bench/results/tpot-target/README.md, full-M-8). A replay on the fit alone never stalls a step
-the fit puts under the line, so it cannot say how often a setting stalls; a replay with this noise can.
+Why: a step of the same tokens does not take the same time twice, and nothing about a step foretells the
+slow ones (docs/decisions/step-drift-and-p90-margin.md). A replay on the fit alone never stalls a step the
+fit puts under the line, so it cannot say how often a setting stalls; a replay with this noise can.
 
 What is measured: in a TPOT-target run's step trace (`[engine] step_trace`, every line with `predicted_s`,
 the fit times the drift as the step was planned), each step's measured / predicted ratio: the part of the

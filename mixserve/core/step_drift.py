@@ -3,31 +3,10 @@ measured / predicted, which scales every prediction) and the spread (how far sin
 that, which the TPOT budget leaves room for). Both learn from planned steps only: decodes beside a chunk,
 the steps the budget sizes.
 
-The drift. How fast predictions follow a machine that turns slower or faster (another process taking
-cores): an average of the measured / fit ratio of the last planned steps. The fit alone follows only as
-fast as its windows, over tens of steps; a stall is one step. It rises faster than it falls: replayed on
-four full-M target runs (bench/drift_study.py, 252 planned steps), falling at 0.3 rather than 0.15 had as
-many steps over the stall line (5) and ended the median step at 0.974 of its prediction, not 0.952 (2%
-more of each step used).
-
-The spread. A step of the same tokens does not take the same time twice: on the 2-core Xeon VM, 344
-planned steps of 12 full-M target runs (full-M-5..8) ran at a median 0.96 of their prediction (fit times
-drift), p90 1.08 and p99 1.47, and no feature of a step foretold the slow ones (the same spread at every
-step size). With the budget planning each step to the target's mean, a 400 ms target then put 12 of those
-steps over 490 ms (one in 29) and stalled the streams in most runs. So the budget plans each step to its
-p90 time instead: the fit times the drift times `margin`, the 0.9 quantile of the last 128 planned steps'
-measured / predicted ratios (1 until 8 steps are known, within 1..1.5). The first 8 planned steps after
-start-up teach the drift only: the drift then climbs from the fit's start-up profile (fastest-of-repeats,
-on an idle server) to the served speed, ~1.2x over a few steps, and its lag is no spread (full-M-10: kept
-in the window, that lag held the margin at 1.2-1.3 for the whole run and left steps planned at ~330 ms
-that ran 245-346 ms). It follows the machine: a quiet
-one with a tight spread gets steps close to the target. Replayed on full-M-8's measured noise
-(`mixserve simulate --noise-from`, bench/noise_sweep.py, 20 seeds), a 400 ms target stalled none in 10 of
-20 seeds without the margin and in 14 of 20 with it, the long prompts' TTFT p50 2.50 and 2.52 s (budget
-256: 2 of 20, 2.69 s). It cannot help against a disturbance: in full-M-9's third target run steps ran 2-3x
-their prediction for ~10 s, and on that noise the margin did little (11 and 12 of 20). Why p90 and
-not a fixed lower target: the same rule holds on a quieter or noisier machine. Why not p99: two slow steps
-in a window of 128 would decide every step.
+The drift rises faster (0.5) than it falls (0.3), within 0.6..3. The budget plans each step to its p90
+time: the fit times the drift times `margin`, the 0.9 quantile of the last 128 planned steps' measured /
+predicted ratios (1 until 8 are known, within 1..1.5); the first 8 planned steps after start-up teach the
+drift only. Why these numbers, measured on recorded runs: docs/decisions/step-drift-and-p90-margin.md.
 """
 
 from __future__ import annotations

@@ -7,5 +7,5 @@
 - prefill_side.py: PrefillEngine, runs the link's prompts to their first token, ships their blocks;
 - decode_side.py: DecodeEngine, sends prompts, imports the blocks through the prefix cache, continues;
 - roles.py: which engine `serve` builds for a role, and the checks on the keys.
-README "Disaggregated prefill" says when it pays.
+docs/disaggregated-prefill.md says when it pays.
 """

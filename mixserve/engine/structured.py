@@ -78,7 +78,7 @@ class Grammars:
     forward is still running then, so the fill overlaps it for free. On a CPU the forward is synchronous;
     filling on a worker thread meanwhile (xgrammar releases the GIL) was measured and dropped: a fill takes
     about 20 us per row, less than the hand-off, and the apply (about 150 us per row) needs the logits
-    (README, "Structured output")."""
+    (docs/api.md, "Structured output")."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
         self._hf = getattr(tokenizer, "hf", tokenizer)

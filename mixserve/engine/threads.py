@@ -6,25 +6,9 @@ thread that runs the model (the OpenMP master) goes to the first core; the worke
 region creates (the threads that appear in /proc/self/task) go one to each following core. libgomp keeps
 one worker pool per master thread, so the engine binds again when step() first runs on a new thread.
 
-Where the server's event loop runs (decided for the issue "CPU fast path"): on any core, never pinned.
-`LLMEngine.from_config` loads the model on a thread of its own that then ends (`load_on_own_thread`, which
-says why), so the calling thread is never pinned. In `mixserve serve` that thread goes on to run uvicorn's
-event loop, and the step thread (AsyncEngine) pins itself to the first core at its first step. Why not leave
-the loop on the compute core, as before: every SSE write, /health answer and request parse then queued behind
-the OpenMP master on the one core the master may use, so the loop's latency was the length of a GEMM slice and
-each of its wake-ups took the master off its core in the middle of a parallel region, where the workers spin-
-wait for it at the barrier. And every thread the loop starts (asyncio's default executor for to_thread, the
-stop() join) inherited that one-core mask. Why not pin it to another core instead: on a 2-core machine the
-other core is the OpenMP worker's, so a pinned loop would take time from the worker exactly as it took it from
-the master, and it could not move to a core the kernel finds idle (between steps, during the GIL-held Python
-parts of a step, when another engine's workers sleep). Left free, the kernel puts it wherever there is slack.
-Offline (`LLM.generate`) the calling thread steps, so its first step() binds it and starts its pool (the
-loading thread's ended with it). `bench/serve_overhead.py` (`make bench-serve`) measures it: a decode step
-through the server against the same step offline, and /health latency meanwhile. On the shared 2-core Xeon, 32
-streams decoding, the same tree with only this decision changed, three rounds each interleaved (offline
-stepping from a fresh thread): served decode period p50 182/199/201 ms pinned, 195/196/190 ms free (the step's
-cost does not move beyond the noise; served/offline 0.94-1.07x either way, under the 1.15x criterion), /health
-p99 18.1/14.3/13.5 ms pinned, 11.8/11.0/11.1 ms free (both under 50 ms; free is lower every round).
+The server's event loop runs on any core, never pinned, and the model loads on a thread of its own that then
+ends (`load_on_own_thread`), so the thread that steps owns the only OpenMP pool. Why, measured:
+docs/decisions/threads-and-the-event-loop.md.
 """
 
 from __future__ import annotations
@@ -106,9 +90,7 @@ def load_on_own_thread(load: Callable[[], T], n: int) -> T:
     it cuts the spin-wait at its barriers to ~100 spins (its "throttled" GOMP_SPINCOUNT), so the workers
     of the pool that does run sleep in the kernel between regions and every region waits for them to wake.
     In `mixserve serve` the loading thread goes on to run the event loop while a step thread of its own
-    steps: two pools. Measured on a 2-core Zen 5 (2026-12-02), decode steps of 32 sequences, in one process:
-    32.5 ms from the loading thread, 40.2 ms from a fresh thread while the loading thread's pool lived,
-    31.6-33.5 ms from a fresh thread once the model had loaded on a thread that had ended.
+    steps: two pools, and decode steps ~1.24x slower (docs/decisions/threads-and-the-event-loop.md).
     """
     result: list[T] = []
     error: list[BaseException] = []

@@ -66,7 +66,7 @@ class ServerMetrics:
         self.engine_restarts = Counter("mixserve:engine_restarts", "Failed steps that restarted the engine.",
                                        registry=r)
         self._totals_seen: dict[Counter, int] = {}  # the engine's totals at the last observe_stats
-        # the step cost model, while a TPOT target is on (README: A latency target instead of a token budget)
+        # the step cost model, while a TPOT target is on (docs/latency-target.md)
         self.step_predicted = Gauge("mixserve:step_cost_predicted_seconds",
                                     "The last step's duration as the cost model predicted it.", registry=r)
         self.step_actual = Gauge("mixserve:step_cost_actual_seconds", "The last step's measured duration.",

@@ -97,31 +97,12 @@ class PackedWeight:
 
     plain: Tensor
     packed: Tensor
-    min_rows: int  # from this many rows the packed GEMM; 2 .. min_rows-1 F.linear (see the table below)
+    min_rows: int  # from this many rows the packed GEMM; 2 .. min_rows-1 F.linear (_MIN_ROWS says why)
     few: Any = None  # few_row_linear.PanelWeight: 1 .. its max_rows rows go there instead, where packed
 
 
-# Measured on this Xeon (AVX512-BF16, AMX), 2 threads, ms per call, the minimum over interleaved calls
-# (bench/cpu_gemm.py prints the whole table), F.linear -> oneDNN on a weight reordered once with
-# batch_size=None (one layout for every row count; one reordered for exactly M rows is at most ~5% faster):
-#   fp32 qkv 960x576      rows 1: 0.053 -> 0.075   4: 0.097 -> 0.078   32: 0.187 -> 0.174   256: 0.98 -> 0.97
-#   fp32 gate_up 3072x576 rows 1: 0.148 -> 0.190   4: 0.308 -> 0.214   32: 0.620 -> 0.528   128: 1.97 -> 1.75
-#   fp32 down 576x1536    rows 1: 0.086 -> 0.125   4: 0.113 -> 0.126   16: 0.329 -> 0.191   512: 3.15 -> 3.06
-#   fp32 o_proj 576x576   rows 1: 0.037 -> 0.061   8: 0.069 -> 0.072   64: 0.238 -> 0.248   512: 1.22 -> 1.20
-#   fp32 lm_head 49152x576 rows 1: 3.68 -> 3.58    8: 16.8 -> 6.0      64: 39.1 -> 26.5
-#   bf16 qkv              rows 1: 0.111 -> 0.072  32: 0.102 -> 0.075  256: 0.336 -> 0.276  512: 0.683 -> 0.639
-#   bf16 gate_up          rows 2: 0.161 -> 0.106  32: 0.217 -> 0.139  256: 0.539 -> 0.431  512: 0.95 -> 0.77
-#   bf16 down             rows 1: 0.103 -> 0.061  32: 0.119 -> 0.079  256: 0.372 -> 0.310  512: 0.50 -> 0.77
-#   bf16 lm_head          rows 1: 3.52 -> 2.00     8: 3.50 -> 2.15     64: 14.6 -> 8.0
-# Those weights sit hot in the cache; in a forward each layer's weights come from memory, and there one row
-# (a decode of one sequence, the LM head of one) is a GEMV that aten's torch.mv does best (30 copies cycled,
-# ms, F.linear / oneDNN / torch.mv): bf16 qkv 0.065 / 0.060 / 0.050, gate_up 0.194 / 0.165 / 0.125,
-# lm_head 3.62 / 2.11 / 1.89; fp32 qkv 0.049 / 0.102 / 0.047, down 0.091 / 0.165 / 0.081.
-# So: 1 row torch.mv; bf16 packed from 2 rows; fp32 packed from 4 rows, except that oneDNN's fixed cost per
-# call (~25 us) is lost in a big weight's time, so the LM head is packed from 2 rows. (bf16 down at 384-512
-# rows is the one cell F.linear wins; it loses again at 1024; not worth a per-shape rule.) MKL's own packed
-# GEMM (torch.ops.mkl._mkl_linear, inductor's fp32 path) is 5-20% faster still, but only at exactly the row
-# count it was packed for (other counts fall back to the plain weight), and a step's row count varies.
+# Row counts from which the prepacked oneDNN linear beats F.linear; 1 row is a GEMV, where aten's torch.mv
+# does best with the weight coming from memory (measured: docs/decisions/cpu-linear-row-thresholds.md).
 _MIN_ROWS = {torch.float32: 4, torch.bfloat16: 2}  # 1 row is always a GEMV
 _BIG_WEIGHT = 1 << 23  # elements (32 MiB in fp32) from which oneDNN's fixed cost per call does not matter
 

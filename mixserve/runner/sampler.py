@@ -40,8 +40,8 @@ class SampleResult:
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Each row's index of its largest value, the first on ties (as `argmax`): `max(dim).indices` takes
-    ~0.6x argmax's time on a CPU (0.8 vs 1.4 ms for 32 rows of a 49,152-token vocabulary on the 2-core
-    Xeon), the largest per-row cost of a greedy step on the host (bench/per_row.py)."""
+    ~0.6x argmax's time on a CPU, and this is the largest per-row cost of a greedy step on the host
+    (measured by bench/per_row.py)."""
     return x.max(dim=-1).indices
 
 

@@ -22,7 +22,7 @@ class AttentionPlan:
 
 @dataclass
 class AttentionMetadata:
-    """Built once per forward by the backend, shared by every layer (docs/structures.md)."""
+    """Built once per forward by the backend, shared by every layer (docs/architecture.md)."""
 
     positions: torch.Tensor  # (T,) int64: absolute position of each packed token
     slot_mapping: torch.Tensor  # (T,) int64: flat KV slot each token's K/V is written to

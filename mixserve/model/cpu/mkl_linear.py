@@ -1,16 +1,10 @@
 """float32 linears through MKL's packed GEMM (`cblas_sgemm_pack` once at load, `cblas_sgemm_compute` a call).
 
 torch's CPU build carries MKL inside libtorch_cpu.so and exports its CBLAS; torch's own wrapper of the packed
-GEMM (torch.ops.mkl._mkl_linear) takes the packed weight only at the exact row count it was packed for and
-falls back to the plain weight otherwise. Called directly, one weight packed once serves every row count
-(checked at start-up on this machine, below). Measured here, 2 threads, ms per call against oneDNN's
-prepacked linear (bench/cpu_gemm.py's shapes; /tmp A/B, weights hot in cache):
-    qkv 960x576        rows 8: 0.086 -> 0.054   32: 0.170 -> 0.130   256: 0.949 -> 0.865   475: 1.67 -> 1.64
-    gate_up 3072x576   rows 8: 0.261 -> 0.177   32: 0.505 -> 0.447   256: 2.90 -> 2.69     475: 5.56 -> 5.15
-    down 576x1536      rows 8: 0.145 -> 0.091   32: 0.282 -> 0.221   256: 1.50 -> 1.43     475: 2.62 -> 2.67
-    o_proj 576x576     rows 8: 0.049 -> 0.029   32: 0.107 -> 0.077   256: 0.577 -> 0.541
-The packed buffer is allocated at MKL's stated size (up to ~4x the weight) but only the weight's own bytes
-are ever touched: resident memory equals the plain weights' (30 layers of the default model: 427 MB each way).
+GEMM (torch.ops.mkl._mkl_linear) takes the packed weight only at the exact row count it was packed for.
+Called directly, one weight packed once serves every row count (checked at start-up, `broken`). Used only on
+Intel's AVX-512 CPUs, where it beats oneDNN's; resident memory equals the plain weights'. Measurements:
+docs/decisions/mkl-only-on-intel.md.
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ from mixserve.model.cpu import few_row_linear
 
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
 _PACK_ROWS_HINT = 256  # the row count the packing is told; every other count computes on the same buffer
-MKL_FEW_ROWS = 32  # the panels' rows where MKL takes the rest: MKL is as fast as the panels from 48 on a Xeon
+MKL_FEW_ROWS = 32  # the panels' rows where MKL takes the rest: from 48 rows MKL is as fast as the panels
 _I, _P, _F = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 
 
@@ -111,10 +105,8 @@ def broken() -> str | None:
 @functools.cache
 def unavailable() -> str | None:
     """None when the float32 linears take MKL's packed GEMM here, else why not (one line): it must work
-    (`broken`), and the CPU must be one where it beats oneDNN's: an Intel CPU with AVX-512 (the table above).
-    MKL keeps its AVX-512 kernels for Intel's CPUs: on AMD it runs slower code paths, measured 2026-12-02 at
-    0.75-0.9x oneDNN's rate on an AVX2 Zen 3 and 0.40-0.45x on an AVX-512 Zen 5 (8-512 rows, 30 layers of
-    the default model's four shapes cycled from memory), so oneDNN takes them there."""
+    (`broken`), and the CPU must be an Intel one with AVX-512: MKL keeps its fast kernels for Intel's CPUs
+    and runs slower than oneDNN on AMD's (docs/decisions/mkl-only-on-intel.md)."""
     why = broken()
     if why is not None:
         return why

@@ -78,9 +78,9 @@ struct BF16 {
 #include "few_row_amx.h"
 #endif  // __AVX512BF16__
 
-// bf16 rows the vdpbf16ps pass takes; above it oneDNN. Where the CPU has AMX, oneDNN's AMX GEMM beats it from
-// 16 rows (a Xeon), so 8 (k not a multiple of 32: no tiles here). Without AMX oneDNN runs the same vdpbf16ps
-// and the panels stream the weight better: 1.03-1.3x faster up to 256 rows on a Zen 5, a tie from 384.
+// bf16 rows the vdpbf16ps pass takes; above it oneDNN. With AMX, oneDNN's AMX GEMM beats it from 16 rows, so 8
+// (k not a multiple of 32: no tiles here); without AMX oneDNN runs the same vdpbf16ps and the panels stream the
+// weight better up to 256 rows (docs/decisions/few-row-panels.md).
 #ifdef MIXSERVE_AMX
 constexpr int BF16_FEW_ROWS = 8;
 #else

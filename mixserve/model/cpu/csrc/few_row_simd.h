@@ -21,8 +21,8 @@ namespace {
 using Vf = __m512;
 using Mask = __mmask16;
 constexpr int LANES = 16, VECS = 4, MAX_ROWS = 6, VREGS = 32;
-// float32 rows the panels take against oneDNN's GEMM: on a Zen 5 (2026-12-02) 1.1-2.4x faster up to 128 rows,
-// a tie at 256. Where MKL takes the rest (Intel, mkl_linear.py) it caps them at 32, MKL's crossover there.
+// float32 rows the panels take against oneDNN's GEMM (faster up to 128, a tie at 256); where MKL takes the
+// rest (Intel, mkl_linear.py) it caps them at 32, MKL's crossover (docs/decisions/few-row-panels.md)
 constexpr int F32_FEW_ROWS = 128;
 
 inline Mask lanes(int64_t valid, int v) {  // the lanes of vector v that hold one of `valid` columns
@@ -48,8 +48,8 @@ namespace {
 using Vf = __m256;
 using Mask = __m256i;  // all ones in a lane that is loaded or stored
 constexpr int LANES = 8, VECS = 2, MAX_ROWS = 6, VREGS = 16;
-// float32 rows the panels take: on a Zen 3 (2026-12-02) they beat oneDNN 1.3-3x up to 96 rows, tie at
-// 128-256 and lose from 384 (1.3x); MKL is slower than both there (mkl_linear.py)
+// float32 rows the panels take: faster than oneDNN up to 96 rows, a tie at 128-256, slower from 384
+// (docs/decisions/few-row-panels.md)
 constexpr int F32_FEW_ROWS = 128;
 
 inline Mask lanes(int64_t valid, int v) {
