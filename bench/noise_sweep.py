@@ -9,7 +9,8 @@ Not a test. Run (seconds, no weights):
 from its first target run's file (or --cost-model). Each
 setting replays workload M (the bench's seed 0) once per noise seed. `--no-margin` also replays the
 target as the engine planned it before the spread's margin (core/step_drift.py): side by side, the same
-seeds. A real run adds ~5-10 ms of HTTP and between-step time to each gap, which the replay leaves out.
+seeds. A real run adds HTTP and between-step time to each gap, which the replay leaves out
+(docs/decisions/step-cost-per-sequence.md).
 """
 
 from __future__ import annotations

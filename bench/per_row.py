@@ -3,8 +3,8 @@
 each phase of `LLMEngine.step` timed (schedule+plan, forward, sample, scheduler.update, postprocess =
 detokenize, stop checks, updates), and the same updates formatted as the server's SSE chunks.
 
-The step-cost model fitted from a served run of workload M has a per-sequence term of ~1.6 ms; this says
-which part of a step grows with its rows, measured, not guessed. Greedy by default (as the bench client
+The step-cost model has a per-sequence term (docs/decisions/step-cost-per-sequence.md); this says which
+part of a step grows with its rows, measured, not guessed. Greedy by default (as the bench client
 sends); `--temperature 0.7` samples, `--seed` seeds each request, `--penalty` adds a presence penalty.
 
     .venv/bin/python bench/per_row.py --num-requests 40 --steps 24

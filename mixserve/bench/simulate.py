@@ -3,16 +3,14 @@ advances: no weights, no HTTP, seconds instead of minutes. The report is the ben
 simulated run and a measured one compare line by line.
 
 The only module of the bench that imports the engine's core (pure Python): the scheduler being simulated.
-What it models: each step's duration as the cost model predicts it, sequences included (a step's sampling
-and detokenizing is per row). Without per_seq_s, busy decode steps came out 16% short and the short
-requests' TTFT p50 0.79x a real run's (full-M-2's target run, on a fit of its own steps); with it 0.90x.
-What it leaves out, deliberately: the time between two steps (measured on M: about 1 ms mean), the HTTP
-stream (about 2 ms from send to arrival), and a machine whose speed changes mid-run (the engine's drift):
-the replay runs at the fit's speed throughout. With `noise` (bench/step_noise.py: a machine's measured
-step-time spread) each step's time is the model's times a measured ratio, walked from a seeded point: the
-replay then stalls as often as a noisy machine would, which the fit alone never does. A `--profile` model
-times forwards only, not sampling and detokenizing; a model written by `serve` on shutdown times whole
-steps and is the one to replay a run with.
+What it models: each step's duration as the cost model predicts it, sequences included (a step's sampling and
+detokenizing is per row). What it leaves out, deliberately: the time between two steps, the HTTP stream, and a
+machine whose speed changes mid-run (the engine's drift): the replay runs at the fit's speed throughout (how
+much that leaves out of a real run: docs/decisions/step-cost-per-sequence.md). With `noise`
+(bench/step_noise.py: a machine's measured step-time spread) each step's time is the model's times a measured
+ratio, walked from a seeded point: the replay then stalls as often as a noisy machine would, which the fit
+alone never does. A `--profile` model times forwards only, not sampling and detokenizing; a model written by
+`serve` on shutdown times whole steps and is the one to replay a run with.
 """
 
 from __future__ import annotations

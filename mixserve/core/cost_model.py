@@ -35,10 +35,7 @@ class StepFeatures:
 
     The sequences are a feature of their own because a decode costs more than a prompt token: each
     sequence is one more row of the LM head and one more attention call, paid per row and not per token
-    (sampling and detokenizing are ~0.06 ms of a row's ~0.5 ms: bench/per_row.py).
-    Fitted on the steps of full-M-2's target run (bench/results/tpot-target), the model without
-    it put decode-only steps of 16-31 streams at 0.84x their measured time and of 1-7 streams at 1.34x;
-    with it, 1.00x and 1.08x (mixed steps 1.00x either way).
+    (docs/decisions/step-cost-per-sequence.md).
     """
 
     num_tokens: int = 0

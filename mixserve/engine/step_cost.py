@@ -26,8 +26,8 @@ def profile_shapes(max_batch_tokens: int, max_num_seqs: int,
 
     Decode-only steps, prefill chunks at two starts, and chunks beside decodes, spread over tokens and
     attended pairs. Ordered so that any prefix already spans all three coefficients: on a busy machine the
-    time bound may stop it after a few (an early profile of small shapes only, under load, once fit
-    0.5 ms per attended pair, a thousand times too much).
+    time bound may stop it after a few, and a profile of small shapes only fits the per-pair term far too
+    high (docs/decisions/step-cost-per-sequence.md).
     """
     decodes = min(16, max_num_seqs - 1)
     rounds = [
