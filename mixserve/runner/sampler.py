@@ -39,9 +39,9 @@ class SampleResult:
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """Each row's index of its largest value, the first on ties (as `argmax`): `max(dim).indices` takes
-    ~0.6x argmax's time on a CPU, and this is the largest per-row cost of a greedy step on the host
-    (measured by bench/per_row.py)."""
+    """Each row's index of its largest value, the first on ties (as `argmax`): `max(dim).indices` is
+    cheaper than argmax on a CPU, and this is the largest per-row cost of a greedy step on the host
+    (docs/decisions/host-cost-per-row.md)."""
     return x.max(dim=-1).indices
 
 
@@ -87,9 +87,9 @@ class Sampler:
             min_p = torch.tensor([r.min_p for r in rows], device=dev).unsqueeze(1)
             x = x.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), _MASK)
         # Inverse CDF: the first token whose cumulative probability exceeds u * total, u ~ U[0, 1) one
-        # number per row (a filtered-out token adds nothing to the sum, so it is never the first). Gumbel
-        # noise over the whole vocabulary took 43 of a 49 ms sample of 40 rows (49,152 exponential draws
-        # each on the CPU generator); this takes ~3 ms. Float64 sums, so the tail is not rounded away.
+        # number per row (a filtered-out token adds nothing to the sum, so it is never the first), not
+        # Gumbel noise: a draw per vocabulary entry per row was most of a sample's time on a CPU
+        # (docs/decisions/host-cost-per-row.md). Float64 sums, so the tail is not rounded away.
         cdf = x.softmax(dim=-1).double().cumsum(dim=-1)
         total = cdf[:, -1:]
         u = self._uniforms(rows, dev).unsqueeze(1)

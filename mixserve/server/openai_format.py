@@ -139,8 +139,8 @@ class Formatter:
     def delta_event(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None,
                     usage: Usage | None = None, index: int = 0) -> str:
         """`sse(delta_chunk(...))`, byte for byte. The common chunk (text only: no finish, logprobs or
-        usage) is the request's fixed JSON around the text's own `json.dumps`, ~4x cheaper than dumping
-        the whole dict: the event loop formats one per stream per step (tests/server/test_app.py)."""
+        usage) is the request's fixed JSON around the text's own `json.dumps`, cheaper than dumping the
+        whole dict: the event loop formats one per stream per step (docs/decisions/host-cost-per-row.md)."""
         if finish_reason is not None or logprobs is not None or usage is not None:
             return sse(self.delta_chunk(text, finish_reason, logprobs, usage, index))
         if self._delta_head is None:
