@@ -79,7 +79,8 @@ def main() -> None:
 
     context = args.prompt_len + args.output_len // 2
     # First, while this thread still runs torch's default threads: the instant engine below sets one thread
-    # (threads=1), and a pool re-sized and re-bound after that ran this step ~8x slower here.
+    # (threads=1), and a pool re-sized and re-bound after that runs this step far slower
+    # (docs/decisions/threads-and-the-event-loop.md).
     step_ms = None if args.no_real_step else real_decode_step_ms(args.num_requests, context)
     real = ModelRunner.from_pretrained(None, num_blocks=1, block_size=16, device="cpu")
     per_request = -(-(args.prompt_len + args.output_len) // 16)

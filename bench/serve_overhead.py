@@ -4,18 +4,17 @@ N (32) requests of the same random prompts (64 tokens, seed 0), 48 output tokens
 all at once, run both ways, one after the other (`--rounds R` alternates them R times and keeps each side's
 best round), each in a process of its own:
 - offline: LLM.generate in a child process, with the step trace on, on the thread that loaded the model
-  as users call it (`--offline-thread`: from a fresh thread, as the server steps; on the 2-core Xeon the
-  loading thread's decode steps took ~1.5x a fresh thread's, in CPU time, not waiting: compare both);
+  as users call it (`--offline-thread`: from a fresh thread, as the server steps; the two can differ,
+  docs/decisions/threads-and-the-event-loop.md: compare both);
 - served: a `mixserve serve` subprocess on 127.0.0.1 with the step trace on, N concurrent streaming
   /v1/completions from this process, and /health polled every 20 ms from a thread meanwhile.
 From each step trace: the steps that decode all N sequences and prefill nothing; their duration (the step's
-own work) and their period (start to next start: the step plus everything between two steps, which is what
-a stream sees). Prints both side by side with the ratios against the issue's criterion (a decode batch costs
-at most 1.15x through the server what it costs offline) and /health latency percentiles against 50 ms p99.
-Engine flags (--threads, --dtype, ...) go to both runs. `make bench-serve`. Loopback only; the client and
-the poller share the machine's cores with the server, so the served figures are an upper bound (both are
-lean for that reason: mixserve/bench/lean_http.py, http.client; 5-6% of a core together on 32 streams, where
-httpx took 13-15%; a process using 10% of a core slows an offline decode step 1.12-1.17x).
+own work) and their period (start to next start: the step plus everything between two steps, which is what a
+stream sees). Prints both side by side with the ratios against the issue's criterion (a decode batch costs at
+most 1.15x through the server what it costs offline) and /health latency percentiles against 50 ms p99. Engine
+flags (--threads, --dtype, ...) go to both runs. `make bench-serve`. Loopback only; the client and the poller
+share the machine's cores with the server, so the served figures are an upper bound (both are lean for that
+reason: mixserve/bench/lean_http.py, http.client; docs/decisions/sharing-cores-with-the-server.md).
 """
 
 from __future__ import annotations
@@ -103,8 +102,8 @@ def percentiles(xs: list[float]) -> dict[str, float]:
 
 def poll_health(url: str, interval: float, stop: threading.Event, out: list[float]) -> None:
     """GET /health every `interval` seconds until stop; the latency of each (a failure counts as 10 s).
-    The standard library's client on one kept-alive connection: httpx's cost 0.5-0.8 ms of CPU a GET here,
-    2.5-4% of a core at 50 a second taken from the server's cores."""
+    The standard library's client on one kept-alive connection: httpx's CPU per GET, 50 a second, is
+    taken from the server's cores (docs/decisions/sharing-cores-with-the-server.md)."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10.0)
     while not stop.is_set():

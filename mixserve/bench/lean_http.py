@@ -1,13 +1,12 @@
 """A lean HTTP/1.1 client for the load client's streamed POSTs, on asyncio streams.
 
-Why not httpx, which the bench still uses for its few plain GETs: the bench shares the server's cores
-(two, on the machines every user starts on), and every microsecond it spends reading tokens is taken from
-the server's steps (a process using 10% of a core slowed an offline decode step 1.12-1.17x: its OpenMP
-barrier waits for the thread that lost its core). Measured against `mixserve serve`, 32 streams x 48 tokens:
-httpx spent 240-330 us of CPU per streamed event (5-10% of a core), its raw byte iterator no less, and this
-client 50-80 us (1.5-2.3%). It does what a completion stream needs and no more: http and https, a JSON
-body, a response framed by Content-Length, chunked transfer encoding or the connection's end, and one
-connection per request (`Connection: close`: nothing to pool, and a server sees a client leave at once).
+Why not httpx, which the bench still uses for its few plain GETs: the bench shares the server's cores, and
+every microsecond it spends reading tokens is taken from the server's steps (their OpenMP barrier waits for
+the thread that lost its core); httpx costs several times this client's CPU per streamed event
+(docs/decisions/sharing-cores-with-the-server.md). It does what a completion stream needs and no more: http
+and https, a JSON body, a response framed by Content-Length, chunked transfer encoding or the connection's
+end, and one connection per request (`Connection: close`: nothing to pool, and a server sees a client leave at
+once).
 """
 
 from __future__ import annotations

@@ -64,8 +64,8 @@ def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
 
 def send_batch(items: list[tuple[Tracked, Any]]) -> None:
     """Hand a step's updates to their event loops with one wake-up per loop, not one per request: each
-    wake-up of the loop's thread takes a core from the model's threads mid-step (measured with 32 streams
-    on 2 cores: bench/serve_overhead.py)."""
+    wake-up of the loop's thread takes a core from the model's threads mid-step
+    (docs/decisions/sharing-cores-with-the-server.md)."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
     for tracked, item in items:
         by_loop.setdefault(tracked.loop, []).append((tracked.queue, item))

@@ -90,7 +90,7 @@ def load_on_own_thread(load: Callable[[], T], n: int) -> T:
     it cuts the spin-wait at its barriers to ~100 spins (its "throttled" GOMP_SPINCOUNT), so the workers
     of the pool that does run sleep in the kernel between regions and every region waits for them to wake.
     In `mixserve serve` the loading thread goes on to run the event loop while a step thread of its own
-    steps: two pools, and decode steps ~1.24x slower (docs/decisions/threads-and-the-event-loop.md).
+    steps: two pools, and slower decode steps (docs/decisions/threads-and-the-event-loop.md).
     """
     result: list[T] = []
     error: list[BaseException] = []
