@@ -8,8 +8,9 @@ vLLM venv made by ../shared/peers/setup_vllm.sh; its WORK folder is the venv's p
 `--vllm-work` says). Prints the floors (bench/floors.py) first, then one table with output tok/s, the
 ratios and the issue's targets, and how many of the requests' greedy tokens equal HF's; writes the whole
 as JSON (`--out`, bench/results/offline.json by default). `make bench-offline`.
-`--rounds N` runs the whole plan N times in turn (this machine's speed moves 1.5-2x over minutes): the table
-is each system's median run, and each round's ratios are printed below it.
+`--rounds N` runs the whole plan N times in turn (a machine's speed can move over minutes:
+docs/decisions/interleaved-rounds.md): the table is each system's median run, and each round's ratios are
+printed below it.
 
 Targets (issue "CPU fast path"): mixserve fp32 >= 3.0x HF fp32; on a CPU with AVX512-BF16 or AMX,
 mixserve bf16 >= 1.8x mixserve fp32 (on AVX2-only CPUs bf16 has no native dot product: reported only).

@@ -176,9 +176,9 @@ def run_sweep(
     """Run the workload against one fresh server per setting, `repeats` rounds of every setting in turn;
     write per-run reports, the table of per-setting medians, and pictures.
 
-    Rounds interleave the settings (A B C, A B C; not A A, B B, C C): this machine's speed drifts 20-40%
-    over minutes (bench/results/tpot-target, full-M-4), as much as the settings differ, so only repeats
-    spread alike over the drift compare settings fairly.
+    Rounds interleave the settings (A B C, A B C; not A A, B B, C C): a machine's speed can drift over
+    minutes as much as the settings differ, so only repeats spread alike over the drift compare settings
+    fairly (docs/decisions/interleaved-rounds.md).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
