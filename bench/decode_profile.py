@@ -1,11 +1,11 @@
 """Where a decode step's time goes on this CPU: per-op timers around the runner's layer ops and attention.
 
 Not a test. Run: .venv/bin/python bench/decode_profile.py [--seqs 1,32] [--context 512] [--repeats 5]
-The default model in float32 (or --dtype bfloat16), the decode batches bench/forward.py checks (one token;
-32 sequences at context 512). Each op of the model's forward (each linear by its weight's shape, the norms,
-SiLU, RoPE, attention) is timed with perf_counter around the call; ms per forward, median of the repeats,
-beside the forward's own time, so the untimed rest (embedding, Python) shows too. The timers add ~0.2 us a
-call. Prints the CPU's flags and the kernel build it ran ($MIXSERVE_KERNEL_MARCH=haswell: the AVX2 code).
+The default model in float32 (or --dtype bfloat16), the decode batches bench/forward.py checks (one token; 32
+sequences at context 512). Each op of the model's forward (each linear by its weight's shape, the norms, SiLU,
+RoPE, attention) is timed with perf_counter around the call; ms per forward, median of the repeats, beside the
+forward's own time, so the untimed rest (embedding, Python) shows too. The timers add two perf_counter calls
+an op. Prints the CPU's flags and the kernel build it ran ($MIXSERVE_KERNEL_MARCH=haswell: the AVX2 code).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 """Workload M against a disaggregated pair (`--role prefill` + `--role decode`), and beside it one `both`
 instance, each instance's step timeline from its step trace, and the decode instance's stalls.
 
-On this 2-core box the pair gets one thread (one core) per instance and the `both` instance both cores:
+Sized for 2 cores: the pair gets one thread (one core) per instance and the `both` instance two threads:
 the same machine either way, so the comparison is of where the long prompts' prefill runs, not of more
 hardware. Workload M scaled by default (12 short requests at 0.5/s and 4 long prompts of 1,500 tokens;
 `--full` for 48 at 2/s), so one run of the three settings stays under 5 minutes. One pair per value of

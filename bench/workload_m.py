@@ -64,7 +64,7 @@ def run_m(url: str, scaled: bool, seed: int) -> dict:
 
 def alone_specs() -> list[RequestSpec]:
     """ALONE_REPEATS fresh random 1,500-token prompts, max_tokens 1, none of them M's: M's own long prompt
-    would be in the server's prefix cache (on by default) and come back in ~0.1 s, no measure of a prefill."""
+    would be in the server's prefix cache (on by default) and come back at once, no measure of a prefill."""
     return [RequestSpec(i, 0.0, random_tokens(LONG_LEN, DEFAULT_VOCAB_SIZE, random.Random(f"alone-{i}")),
                         LONG_LEN, 1, "long") for i in range(ALONE_REPEATS)]
 

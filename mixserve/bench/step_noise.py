@@ -11,10 +11,9 @@ step's time that the engine's own model and drift did not foresee. Planned steps
 chunk: the ones the budget sizes) and the others (decode-only, prefill-only) are kept apart, since the
 two ran at different spreads. A replay walks one measured run's ratios in their order, from a point the
 seed picks (each kind on its own, wrapping round), so a slow phase of the machine stays one stretch of the
-replay, as it was, rather than spread over it: on full-M-9's noise, where one of three measured target
-runs was disturbed (steps at 2-3x their prediction for ~10 s) and stalled, independent draws stalled the
-target in 14 of 20 seeds, the ordered walk in 10 of 20 (a seed that starts in the disturbed run stalls).
-The drift is not replayed (the ratios are what was left after it); the margin is.
+replay, as it was, rather than spread over it (independent draws would scatter a disturbance's slow
+steps over the whole replay: docs/decisions/step-drift-and-p90-margin.md). The drift is not replayed
+(the ratios are what was left after it); the margin is.
 """
 
 from __future__ import annotations

@@ -108,8 +108,7 @@ class Scheduler:
                     break
                 # Under a target, the step that ends a prompt's prefill takes nothing after it: every token
                 # added would delay that prompt's first token by its own time, and deferred to the next
-                # step it costs only that step's fixed part (workload M, simulated: the long prompts' TTFT
-                # p50 -7% to -11%; the short prompts lose what the waiting share did not already give them).
+                # step it costs only that step's fixed part (docs/decisions/waiting-share.md).
                 if self.step_budget is not None and step.chunks[r.request_id].last:
                     self._last_step = step.output()
                     return self._last_step

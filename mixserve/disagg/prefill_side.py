@@ -10,8 +10,8 @@ not in a hook inside LLMEngine._retire. With prefix caching on (required for dis
 block a chunk filled is registered under its chain key in that same step (Scheduler.update), and a
 retired request's blocks stay cached until an allocation evicts them; nothing allocates between the end
 of step() and this code on the same thread, so `pool.match(chain_keys(prompt))` finds every full block.
-That needs no line in llm_engine.py (294 lines, being edited for issue 14) and no knowledge of when a
-request retires. Prompts may also come over HTTP: they are served as on a `both` instance.
+That needs no line in llm_engine.py and no knowledge of when a request retires. Prompts may also come
+over HTTP: they are served as on a `both` instance.
 """
 
 from __future__ import annotations

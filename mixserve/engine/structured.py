@@ -24,7 +24,7 @@ from mixserve.engine.sampling_params import StructuredOutput
 
 log = logging.getLogger(__name__)
 
-CACHE_SIZE = 256  # compiled grammars kept per engine (by spec); a schema compiles in about 10 ms
+CACHE_SIZE = 256  # compiled grammars kept per engine (by spec): a repeated schema is not compiled again
 
 
 def _one_line(exc: Exception) -> str:
@@ -76,9 +76,8 @@ class Grammars:
 
     The step fills the bitmask after `runner.forward` returns and before the logits are read: on a GPU the
     forward is still running then, so the fill overlaps it for free. On a CPU the forward is synchronous;
-    filling on a worker thread meanwhile (xgrammar releases the GIL) was measured and dropped: a fill takes
-    about 20 us per row, less than the hand-off, and the apply (about 150 us per row) needs the logits
-    (docs/api.md, "Structured output")."""
+    filling on a worker thread meanwhile (xgrammar releases the GIL) was measured and dropped: a fill costs
+    less than the hand-off, and the apply needs the logits (docs/api.md, "Structured output")."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
         self._hf = getattr(tokenizer, "hf", tokenizer)
