@@ -77,7 +77,7 @@ class TensorParallelGroup:
 
 
 class ShardCollectives:
-    """ShardHooks (mixserve/model/llama.py) for one rank's plan: sums of partial outputs, the split
+    """ShardHooks (mixserve/model/decoder.py) for one rank's plan: sums of partial outputs, the split
     embedding, the gathered logits."""
 
     def __init__(self, plan: ShardPlan, group: TensorParallelGroup) -> None:

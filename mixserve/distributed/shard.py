@@ -44,7 +44,7 @@ class ShardPlan:
     vocab_spans: tuple[Span, ...]  # every rank's vocabulary span, for the logits gather
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
-        """The config of this rank's LlamaModel: its own head, MLP and vocabulary counts."""
+        """The config of this rank's DecoderModel: its own head, MLP and vocabulary counts."""
         return replace(cfg, num_heads=self.q_heads[1] - self.q_heads[0],
                        num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
                        intermediate_size=self.ffn[1] - self.ffn[0], vocab_size=self.vocab[1] - self.vocab[0])
@@ -81,7 +81,7 @@ def plan_shards(cfg: ModelConfig, world: int) -> list[ShardPlan]:
 
 def shard_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, plan: ShardPlan,
                      ) -> dict[str, torch.Tensor]:
-    """This rank's slice of an HF-named state dict (as LlamaModel.load_hf_weights takes it)."""
+    """This rank's slice of an HF-named state dict (as DecoderModel.load_hf_weights takes it)."""
     d = cfg.head_dim
     (qa, qb), (ka, kb), (fa, fb), (va, vb) = plan.q_heads, plan.kv_heads, plan.ffn, plan.vocab
     rows = {"q_proj": (qa * d, qb * d), "k_proj": (ka * d, kb * d), "v_proj": (ka * d, kb * d),

@@ -24,7 +24,7 @@ from mixserve.distributed.group import ShardCollectives, TensorParallelGroup
 from mixserve.distributed.shard import ShardPlan, plan_shards, shard_state_dict
 from mixserve.model.attention import get_backend
 from mixserve.model.config import ModelConfig
-from mixserve.model.llama import LlamaModel
+from mixserve.model.decoder import DecoderModel
 from mixserve.model.loader import load_weights, model_name, resolve_model_path
 from mixserve.model.tokenizer import Tokenizer, load_tokenizer
 from mixserve.runner.kv_cache import num_blocks_for_memory
@@ -77,7 +77,7 @@ def build_rank(spec: RankSpec, rank: int, loaded: Callable[[], None]) -> Rank:
     cfg, sd, inv_freq = load_weights(path)
     plan = plan_shards(cfg, spec.world)[rank]
     local_cfg = plan.local_config(cfg)
-    model = LlamaModel(local_cfg, dtype=dtype, device=device)
+    model = DecoderModel(local_cfg, dtype=dtype, device=device)
     model.load_hf_weights(shard_state_dict(sd, cfg, plan), str(path), inv_freq=inv_freq)
     del sd
     eos = cfg.eos_token_ids
@@ -91,7 +91,7 @@ def build_rank(spec: RankSpec, rank: int, loaded: Callable[[], None]) -> Rank:
     return Rank(_runner(spec, model, tokenizer, path, plan, group), cfg, group)
 
 
-def _runner(spec: RankSpec, model: LlamaModel, tokenizer: Tokenizer | None, path: Path, plan: ShardPlan,
+def _runner(spec: RankSpec, model: DecoderModel, tokenizer: Tokenizer | None, path: Path, plan: ShardPlan,
             group: TensorParallelGroup) -> ModelRunner:
     device, dtype, local_cfg = model.embed.device, model.embed.dtype, model.config
     hooks = ShardCollectives(plan, group)

@@ -4,7 +4,7 @@ In bf16, eager PyTorch spends ~8 kernels on one RMSNorm (float, pow, mean, add, 
 one more on the residual add before it. Here one program normalises one row (T rows of H <= 8192): it
 reads x (and the residual) once, writes the normed row (and the new residual) once.
 
-Numerics follow `mixserve.model.llama.rms_norm`, which follows Hugging Face: the residual add is rounded
+Numerics follow `mixserve.model.ops.rms_norm`, which follows Hugging Face: the residual add is rounded
 to the model dtype; the row is normalised in float32, cast to the dtype, then multiplied by the weight and
 rounded again (in float32 every cast is a no-op).
 
@@ -96,7 +96,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """PyTorch RMSNorm with the kernel's (and mixserve.model.llama.rms_norm's) numerics."""
+    """PyTorch RMSNorm with the kernel's (and mixserve.model.ops.rms_norm's) numerics."""
     if x.dtype == torch.float32:
         return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()

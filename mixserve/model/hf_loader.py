@@ -67,6 +67,9 @@ def load_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             sd.update(load_file(str(f)))
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{f}: not a readable safetensors file ({e})") from None
+    from mixserve.model.families import hf_names
+
+    sd = hf_names(sd, cfg)
     # Checkpoints that tie embeddings may still ship lm_head; ones that don't tie must ship it.
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)

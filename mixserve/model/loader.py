@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from mixserve.model.config import ModelConfig
+from mixserve.model.decoder import DecoderModel
 from mixserve.model.errors import ModelLoadError
-from mixserve.model.llama import LlamaModel
 from mixserve.model.tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -63,7 +63,7 @@ class LoadedModel:
     path: Path
     name: str
     config: ModelConfig
-    model: LlamaModel
+    model: DecoderModel
     tokenizer: Tokenizer
 
 
@@ -85,7 +85,7 @@ def load_model(
     """Load weights, build the module on `device` in `dtype`, and load the tokenizer."""
     path = resolve_model_path(model)
     cfg, sd, inv_freq = load_weights(path)
-    module = LlamaModel(cfg, dtype=dtype, device=device)
+    module = DecoderModel(cfg, dtype=dtype, device=device)
     module.load_hf_weights(sd, str(path), inv_freq=inv_freq)
     del sd
     eos = cfg.eos_token_ids

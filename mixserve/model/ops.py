@@ -3,7 +3,7 @@
 Three sets: `torch_ops()` (plain PyTorch, the reference), `cpu_ops(dtype)` (linears on weights packed once at
 load: MKL's packed GEMM in float32 (model/cpu/mkl_linear.py), oneDNN in bfloat16 or where MKL is missing;
 norms, RoPE and SwiGLU as one C++ call each, mixserve/model/cpu) and `triton_ops()` (mixserve/kernels, CUDA).
-The model runs whichever set `LlamaModel.prepare(ops)` was handed; one layer body serves all three.
+The model runs whichever set `DecoderModel.prepare(ops)` was handed; one layer body serves all three.
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
     # Same arithmetic as transformers so the tables are bit-identical.
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     s = cfg.rope_scaling
-    if s.rope_type == "linear":
+    if s.rope_type == "longrope":  # short factors; RotaryTable takes the long ones past the original
+        inv = longrope_inv(cfg, s.short_factor)
+    elif s.rope_type == "linear":
         inv = inv / s.factor
     elif s.rope_type == "llama3":
         old = s.original_max_position_embeddings
@@ -30,6 +32,12 @@ def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return inv
 
 
+def longrope_inv(cfg: ModelConfig, factors: tuple[float, ...]) -> torch.Tensor:
+    """Phi-3's longrope inverse frequencies for one factor set, in HF's arithmetic."""
+    shape = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * cfg.rope_theta ** shape)
+
+
 class RotaryTable:
     """cos/sin for every position up to the context length, computed once; indexed per forward."""
 
@@ -37,9 +45,17 @@ class RotaryTable:
         inv = inv_frequencies(cfg) if inv_freq is None else inv_freq.float()
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(pos, inv)
+        s = cfg.rope_scaling
+        if s.rope_type == "longrope" and inv_freq is None:
+            # Per position, as vLLM does: the short factors below the original context, the long ones from
+            # it (HF switches the whole forward on its longest position: the same below the original).
+            long = longrope_inv(cfg, s.long_factor)
+            start = s.original_max_position_embeddings
+            freqs[start:] = torch.outer(pos[start:], long)
+        scale = s.attention_factor if s.rope_type == "longrope" else 1.0
         # Only the first half is stored: the rotate-half layout repeats it.
-        self.cos = freqs.cos().to(device=device, dtype=dtype)
-        self.sin = freqs.sin().to(device=device, dtype=dtype)
+        self.cos = (freqs.cos() * scale).to(device=device, dtype=dtype)
+        self.sin = (freqs.sin() * scale).to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, 1, D/2) cos and sin for the packed tokens' absolute positions."""

@@ -10,7 +10,7 @@ from mixserve.core.batch import ForwardBatch
 from mixserve.model.attention import get_backend
 from mixserve.model.attention.base import AttentionBackend, packed_tokens
 from mixserve.model.config import ModelConfig
-from mixserve.model.llama import LlamaModel
+from mixserve.model.decoder import DecoderModel
 from mixserve.model.loader import load_model
 from mixserve.model.ops import CpuFeatures, LayerOps, cpu_features, log_bf16_on_cpu, select_ops
 from mixserve.model.tokenizer import Tokenizer
@@ -49,7 +49,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         tokenizer: Tokenizer,
         *,
         num_blocks: int,

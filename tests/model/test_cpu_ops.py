@@ -100,7 +100,7 @@ def test_the_runner_packs_the_tiny_model_on_cpu(tiny_model_dir: Path) -> None:
     assert runner.model.ops is runner.ops
     assert runner.cpu_features is not None
     layer = runner.model.layers[0]
-    for w in (layer.packed.qkv, layer.packed.o_proj, layer.packed.gate_up, layer.packed.down):
+    for w in (layer.packed.qkv, layer.packed.o_proj, layer.mlp.packed.gate_up, layer.mlp.packed.down):
         assert isinstance(w, FP32_PACKED)
     assert isinstance(runner.model.head.lm_head, FP32_PACKED)
     # The parameters (state dict, weight bytes) are still just the loaded weights, once each.

@@ -1,0 +1,68 @@
+"""The dense gated MLP (SwiGLU or GeGLU) every family's layers run, and the parameter helper they share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mixserve.model.ops import LayerOps
+
+Take = Callable[[str], Tensor]  # a checkpoint tensor by name (ModelLoadError when missing)
+Put = Callable[[Tensor, Tensor, str], None]  # copy into a parameter, checking the shape
+
+
+def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def gelu_tanh_and_mul(gate_up: Tensor) -> Tensor:
+    """GeGLU with the tanh approximation (Gemma's gelu_pytorch_tanh)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def activation_and_mul(activation: str, ops: LayerOps) -> Callable[[Tensor], Tensor]:
+    """The gated activation by ModelConfig.activation: the ops' fused SiLU, or GeGLU."""
+    if activation == "silu":
+        return ops.silu_and_mul
+    if activation == "gelu_tanh":
+        return gelu_tanh_and_mul
+    raise ValueError(f"unknown MLP activation {activation!r}; supported: silu, gelu_tanh")
+
+
+@dataclass(frozen=True)
+class MlpWeights:
+    """The MLP's linears as the ops' `linear` takes them (see decoder.LayerWeights)."""
+
+    gate_up: Any
+    down: Any
+
+
+class GatedMlp(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up fused into one GEMM."""
+
+    def __init__(self, hidden: int, intermediate: int, activation: str, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        self.activation = activation
+        self.gate_up = param(2 * intermediate, hidden, dtype=dtype, device=device)
+        self.down = param(hidden, intermediate, dtype=dtype, device=device)
+
+    def prepare(self, ops: LayerOps) -> None:
+        self.packed = MlpWeights(gate_up=ops.pack(self.gate_up), down=ops.pack(self.down))
+        self.act = activation_and_mul(self.activation, ops)
+
+    def forward(self, x: Tensor, ops: LayerOps) -> Tensor:
+        w = self.packed
+        return ops.linear(self.act(ops.linear(x, w.gate_up, None)), w.down, None)
+
+    def load(self, take: Take, put: Put, prefix: str) -> None:
+        """From HF names under `prefix` ("model.layers.N.mlp.")."""
+        put(self.gate_up, torch.cat([take(prefix + "gate_proj.weight"), take(prefix + "up_proj.weight")]),
+            prefix + "gate_up_proj.weight")
+        put(self.down, take(prefix + "down_proj.weight"), prefix + "down_proj.weight")
