@@ -88,6 +88,11 @@ class LLMEngine:
         return self.runner.model_name
 
     @property
+    def sampling_defaults(self) -> dict:  # the checkpoint's own (model/generation_config.py)
+        from mixserve.model.generation_config import sampling_defaults
+        return sampling_defaults(getattr(self.runner, "path", None))
+
+    @property
     def context_limit(self) -> int:
         """The most tokens (prompt + output) one request may hold: the context and the KV cache."""
         return min(self.max_model_len, self.scheduler.cfg.num_slots)

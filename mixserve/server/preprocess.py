@@ -102,7 +102,8 @@ def sampling_params(model: ServedModel, req: SamplingFields, prompt_len: int, *,
         room = model.context_limit - prompt_len
         max_tokens = default_max_tokens if default_max_tokens is not None else max(room, 1)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    fields: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "n": req.n}
+    fields: dict[str, Any] = {**model.sampling_defaults, "max_tokens": max_tokens,
+                              "ignore_eos": req.ignore_eos, "n": req.n}
     if req.temperature is not None:
         fields["temperature"] = req.temperature
     if req.top_p is not None:
