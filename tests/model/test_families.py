@@ -116,3 +116,40 @@ def test_an_unknown_architecture_names_the_supported_ones(tmp_path: Path) -> Non
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"]}))
     with pytest.raises(ModelLoadError, match="unsupported architecture.*Falcon.*supported: .*Qwen3For"):
         read_config(tmp_path)
+
+
+def _longrope(head_dim: int) -> dict:
+    g = torch.Generator().manual_seed(7)
+    short, long = (1 + torch.rand(head_dim // 2, generator=g) * k for k in (0.5, 8.0))
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short.tolist(),
+            "long_factor": long.tolist(), "original_max_position_embeddings": 16}
+
+
+def test_phi3_longrope_tables_equal_hf_on_both_sides_of_the_original_context(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from mixserve.model.loader import load_model
+
+    path = make_tiny_family(tmp_path, "phi3", rope_parameters=_longrope(16),
+                            original_max_position_embeddings=16)
+    ours = load_model(path).model.rotary
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).model.rotary_emb
+    x = torch.zeros(1, dtype=torch.float32)
+    for positions in (torch.arange(0, 16), torch.arange(16, 40)):  # HF switches on the longest position
+        cos, sin = hf(x, positions[None])
+        assert torch.allclose(ours.cos[positions], cos[0, :, :8], atol=1e-6)
+        assert torch.allclose(ours.sin[positions], sin[0, :, :8], atol=1e-6)
+    assert ours.cos[0, 0].item() > 1.0  # cos(0) times the attention factor: the scale is there
+
+
+def test_phi3_longrope_within_the_original_context_equals_hf(tmp_path: Path) -> None:
+    path = make_tiny_family(tmp_path, "phi3", rope_parameters=_longrope(16),
+                            original_max_position_embeddings=16)
+    from transformers import AutoModelForCausalLM
+
+    runner = ModelRunner.from_pretrained(str(path), num_blocks=64, block_size=4)
+    assert runner.config.rope_scaling.attention_factor > 1.0
+    reqs = [Req("a", list(range(5, 14)), list(range(8)), 0),
+            Req("b", list(range(40, 45)), list(range(8, 16)), 1)]
+    drive(runner, reqs, chunk=3, new_tokens=6)  # 15 and 11 positions: all below the original 16
+    assert_equals_hf(reqs, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
