@@ -1,8 +1,8 @@
-"""Read a llama.cpp GGUF file into HF-named float tensors (dequantized) and a ModelConfig."""
+"""Read a llama.cpp GGUF file into HF-named float tensors (dequantized) and a ModelConfig; the per-family
+names and layouts are in families/gguf_names.py, the metadata in families/gguf_config.py."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
@@ -10,38 +10,16 @@ import torch
 
 from mixserve.model.config import ModelConfig
 from mixserve.model.errors import ModelLoadError
+from mixserve.model.families.gguf_config import with_tensors
+from mixserve.model.families.gguf_names import GLOBAL_NAMES, LAYER_RE, hf_tensors, unpermute_qk
 from mixserve.model.gguf_file import TensorInfo, read_gguf
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+__all__ = ["dequantize", "load_gguf", "unpermute_qk"]
+_ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
-
-
-def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> HF rotate-half halves)."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def dequantize(t: TensorInfo, path: Path) -> torch.Tensor:
@@ -76,8 +54,8 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], torch.T
         raise ModelLoadError(f"{path}: GGUF file has no token_embd.weight tensor")
     vocab = int(tensors["token_embd.weight"].shape[0])
     cfg = ModelConfig.from_gguf(meta, str(path), vocab_size=vocab, tied="output.weight" not in tensors)
-    # llama.cpp permutes Q/K for the llama family only (qwen2 uses NEOX-style RoPE, stored as HF has it).
-    permuted = cfg.architecture in ("llama", "mistral")
+    factors = {n: dequantize(tensors[n], path) for n in _ROPE_FACTORS if n in tensors}
+    cfg = with_tensors(cfg, meta, str(path), tensors.keys(), factors)
     sd: dict[str, torch.Tensor] = {}
     inv_freq = None
     for name, t in tensors.items():
@@ -86,16 +64,9 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], torch.T
             base = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float()
                                              / cfg.head_dim))
             inv_freq = base / dequantize(t, path).flatten()
-            continue
-        if name in _GLOBAL_NAMES:
-            sd[_GLOBAL_NAMES[name]] = dequantize(t, path)
-            continue
-        m = _LAYER_RE.fullmatch(name)
-        if m is None or m.group(2) not in _LAYER_NAMES:
-            continue  # tensors this architecture does not use
-        w = dequantize(t, path)
-        if permuted and m.group(2).startswith(("attn_q.", "attn_k.")):
-            heads = cfg.num_heads if m.group(2).startswith("attn_q.") else cfg.num_kv_heads
-            w = unpermute_qk(w, heads)
-        sd[f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"] = w
+        elif name in GLOBAL_NAMES:
+            sd[GLOBAL_NAMES[name]] = dequantize(t, path)
+        elif (m := LAYER_RE.fullmatch(name)) is not None:
+            for hf, w in hf_tensors(m.group(2), dequantize(t, path), cfg):
+                sd[f"model.layers.{m.group(1)}.{hf}"] = w
     return cfg, sd, inv_freq
