@@ -71,6 +71,9 @@ def plan_shards(cfg: ModelConfig, world: int) -> list[ShardPlan]:
     """One ShardPlan per rank."""
     if world < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {world}")
+    if cfg.moe is not None:
+        raise ValueError(f"tensor_parallel_size {world}: the experts of a mixture-of-experts model "
+                         f"({cfg.family}) are not split over ranks; run it with tensor_parallel_size 1")
     heads = head_spans(cfg.num_heads, cfg.num_kv_heads, world)
     if cfg.intermediate_size < world or cfg.vocab_size < world:
         raise ValueError(f"tensor_parallel_size: {world} ranks exceed the model's MLP or vocabulary size")

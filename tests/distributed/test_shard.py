@@ -63,3 +63,15 @@ def test_the_shards_of_every_weight_put_back_together_are_the_whole():
     assert [(c.num_heads, c.num_kv_heads, c.intermediate_size, c.vocab_size) for c in local] == [
         (6, 2, 5, 6), (3, 1, 5, 5)]
     assert shards[0]["model.layers.0.self_attn.o_proj.weight"].shape == (h, 6 * d)
+
+
+def test_a_mixture_of_experts_is_refused_naming_tensor_parallel_size():
+    from dataclasses import replace
+
+    from mixserve.model.config import MoeConfig
+
+    moe = MoeConfig(num_experts=4, top_k=2, intermediate_size=8)
+    cfg = replace(config(4, 2), family="qwen3_moe", moe=moe)
+    with pytest.raises(ValueError, match="^tensor_parallel_size 2: the experts .*qwen3_moe") as e:
+        plan_shards(cfg, 2)
+    assert "\n" not in str(e.value)
