@@ -172,7 +172,8 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """Packed tokens (T,) -> float32 logits (S, vocab) of the tokens at meta.last_token_index.
 
-        No host sync, so CUDA graphs can capture it."""
+        No host sync (the MoE layers sync once each when eager; their capture path does not), so CUDA graphs
+        can capture it."""
         ops, cfg = self.ops, self.config
         if ops.triton and not kernels.enabled():  # kernels.set_enabled(False) after start-up: eager ops
             ops = torch_ops()
