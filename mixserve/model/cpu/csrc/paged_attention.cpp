@@ -1,8 +1,8 @@
 // Causal attention of a whole mixed batch (decodes and prefill chunks) over the paged KV cache, read in
 // place through each sequence's block table: no gathered copy of any context, one call per layer.
 //
-// Plain C ABI (called through ctypes), no torch headers: g++ alone builds it (~12 s: five head dims x two
-// dtypes of item kernels, paged_items.h), no ninja. OpenMP shares torch's libgomp (same soname, already
+// Plain C ABI (called through ctypes), no torch headers: g++ alone builds it (five head dims x two dtypes of
+// item kernels, paged_items.h), no ninja. OpenMP shares torch's libgomp (same soname, already
 // loaded), so the step thread's bound worker pool runs it.
 //
 // Work item = (sequence, KV head, tile of up to TILE_TOKENS query tokens): the tile's query rows are every
@@ -193,7 +193,7 @@ void run(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* 
                 : sh.head_dim == 128 ? attend_tile<T, 128>
                                      : attend_tile<T, 0>;
     // A thread grabs all KV heads of one (sequence, tile) (adjacent after the sort): their rows interleave in
-    // memory, so it streams the blocks (decodes ~1.1x faster than one head per grab, measured side by side).
+    // memory, so it streams the blocks rather than reading them once per head.
     const int64_t grab = whole ? 1 : sh.num_kv_heads;
     // Chunk tiles (8+ query rows) take the key-major kernel (paged_chunk.h) where the head dim allows.
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, grab)
