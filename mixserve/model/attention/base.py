@@ -142,6 +142,16 @@ def is_decode_only(batch: ForwardBatch) -> bool:
     return bool(batch.seqs) and all(len(s.tokens) == 1 for s in batch.seqs)
 
 
+def check_features(head_dim: int, scale: float | None, window: int, softcap: float) -> float:
+    """The score scale a layer's call means (None: head_dim ** -0.5); ValueError for a negative window or a
+    negative softcap, which no model defines."""
+    if window < 0:
+        raise ValueError(f"attention window must be 0 (full) or positive, got {window}")
+    if softcap < 0:
+        raise ValueError(f"attention softcap must be 0 (none) or positive, got {softcap}")
+    return head_dim ** -0.5 if scale is None else float(scale)
+
+
 @dataclass
 class GraphInputs:
     """Views into a CUDA graph's static input buffer (runner/cuda_graph.py), one row per padded decode."""
@@ -176,10 +186,19 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        scale: float | None = None,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """q (T, Hq, D), k/v (T, Hkv, D); caches (num_blocks, block_size, Hkv, D).
         Writes k, v into the caches at meta.slot_mapping, then returns (T, Hq, D): each token
-        attends causally to positions 0..its own of its own sequence (GQA: Hq/Hkv query heads per KV head)."""
+        attends causally to positions 0..its own of its own sequence (GQA: Hq/Hkv query heads per KV head).
+
+        Per layer: `scale` multiplies q.k (None: D ** -0.5); `window` w > 0 keeps only the keys at
+        p - w < j <= p for a query at p (Hugging Face's sliding window); `softcap` c > 0 maps each scaled
+        score s to c * tanh(s / c) before the softmax (Gemma 2). See check_features. The cache keeps the keys
+        below a window (docs/decisions/sliding-window-keeps-full-kv.md)."""
 
     # ---- CUDA-graph hooks (capture once per (padded size, capacity), replay with new static inputs) ----
 
