@@ -4,14 +4,15 @@ Where the reference backend gathers every sequence's context into a dense copy (
 step's time went to that `index_select`) and calls SDPA once per prefill chunk, this one writes the
 step's K/V into the cache and hands the kernel (model/cpu/csrc/paged_attention.cpp) the pointers: decodes
 and chunks, every layer, with no per-chunk Python. float32 and bfloat16 (bf16 products through vdpbf16ps
-where the CPU has AVX512-BF16, else widened to float32; the sums are float32's either way).
+where the CPU has AVX512-BF16, else widened to float32; the sums are float32's either way). A layer's scale,
+sliding window and softcap go to the kernel as they are: a window only moves where each row's keys start.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mixserve.model.attention.base import AttentionBackend, AttentionMetadata
+from mixserve.model.attention.base import AttentionBackend, AttentionMetadata, check_features
 from mixserve.model.cpu.build import load_library
 from mixserve.model.cpu.layer_ops import DTYPE_CODE
 
@@ -25,7 +26,10 @@ class CpuPagedAttention(AttentionBackend):
         lib = load_library()  # KernelBuildError when it cannot be built
         self._attend, self._store = lib.mixserve_paged_attention, lib.mixserve_store_kv
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, scale: float | None = None,
+                window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        scale = check_features(q.shape[-1], scale, window, softcap)
+        window = window if window < 1 << 30 else 0  # past any context: full attention (int32 in the kernel)
         code = DTYPE_CODE.get(q.dtype)
         if code is None or q.device.type != "cpu":
             raise ValueError(f"the cpu attention backend takes float32 or bfloat16 on the CPU, got {q.dtype} "
@@ -45,7 +49,8 @@ class CpuPagedAttention(AttentionBackend):
             code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
             meta.query_start.data_ptr(), meta.seq_lens.data_ptr(), tables.data_ptr(),
             tables.shape[0], tables.shape[1], num_heads, num_kv_heads, head_dim, k_cache.shape[1],
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), head_dim ** -0.5, torch.get_num_threads(),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), scale, torch.get_num_threads(), window,
+            softcap,
         )
         if rc != 0:
             raise ValueError(f"the cpu attention kernel cannot take this shape (code {rc}): "

@@ -43,7 +43,7 @@ _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # Every function takes a dtype code first (0 float32, 1 bfloat16) and returns 0 or an error code (the one
 # query, mixserve_few_row_panel_width, takes nothing and returns a width).
 SIGNATURES = {
-    "mixserve_paged_attention": [_I] + [_P] * 7 + [_I64] * 10 + [_F, _I],
+    "mixserve_paged_attention": [_I] + [_P] * 7 + [_I64] * 10 + [_F, _I, _I64, _F],
     "mixserve_store_kv": [_I, _P, _P] + [_I64] * 4 + [_P, _P, _P] + [_I64] * 3,
     "mixserve_rms_norm": [_I, _P, _I64, _P, _P, _P, _I64, _I64, _F, _I],
     "mixserve_rotary": [_I, _P] + [_I64] * 5 + [_P, _P, _P, _I],

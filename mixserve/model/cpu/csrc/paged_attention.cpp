@@ -10,6 +10,8 @@
 // in tiles of KEY_TILE (16 = one AVX-512 register of fp32 scores per row); online softmax per row. A
 // decode is one item over all its KV heads instead (paged_decode.h), reading each block once; a tile of 8+
 // rows at a head dim paged_items.h lists (a prefill chunk) takes the key-major kernel (paged_chunk.h).
+// Per layer: a sliding window starts each row's keys at first_key (the cache keeps the keys below it: no block
+// is freed, the loops skip them) and a softcap maps the scaled scores through tanh before the softmax.
 #include <omp.h>
 
 #include <type_traits>
@@ -96,10 +98,11 @@ void attend_tile(const Item& it, const T* q, const T* k_cache, const T* v_cache,
         m[r] = NEG_BIG;
         l[r] = 0.f;
     }
-    const int64_t num_keys = pos0 + n_tok;  // the last query of the tile sees keys 0..pos0 + n_tok - 1
-    for (int64_t k0 = 0; k0 < num_keys; k0 += KEY_TILE) {
+    const int64_t num_keys = pos0 + n_tok;  // the last query of the tile sees keys up to pos0 + n_tok - 1
+    const int64_t k_first = first_key(pos0, sh);  // the first query's window starts earliest
+    for (int64_t k0 = k_first; k0 < num_keys; k0 += KEY_TILE) {
         const int64_t nk = std::min<int64_t>(KEY_TILE, num_keys - k0);
-        prefetch_ahead(k_cache, v_cache, table, k0, num_keys, head_off, D, sh);
+        prefetch_ahead(k_cache, v_cache, table, k0, k_first, num_keys, head_off, D, sh);
         tile_rows<T, DC>(k_cache, table, k0, nk, head_off, sh, kbuf, krow);
         tile_rows<T, DC>(v_cache, table, k0, nk, head_off, sh, vbuf, vrow);
         if (transpose) {
@@ -117,27 +120,31 @@ void attend_tile(const Item& it, const T* q, const T* k_cache, const T* v_cache,
                     sc[r][j] = dot;
                 }
         }
+        if (sh.softcap > 0.f)
+            for (int64_t r = 0; r < rows; ++r) softcap_scores(sc[r], KEY_TILE, sh.softcap);
         int64_t nv = 0;  // the most keys of this tile any row sees
         for (int64_t r = 0; r < rows; ++r) {
-            const int64_t visible = std::min<int64_t>(nk, pos0 + r / G - k0 + 1);  // causal, tile end
+            const int64_t p = pos0 + r / G;
+            const int64_t visible = std::min<int64_t>(nk, p - k0 + 1);  // causal, tile end
+            const int64_t first = std::max<int64_t>(0, first_key(p, sh) - k0);  // the window's start
             float* s = sc[r];
-            if (visible <= 0) {  // a row before this tile's keys: left as it is
+            if (visible <= first) {  // no key of this tile (before the row, or below its window): left as it is
                 alpha_r[r] = 1.f;
                 for (int j = 0; j < KEY_TILE; ++j) s[j] = 0.f;
                 continue;
             }
             if constexpr (DC > 0 && DC % 16 == 0) {
-                alpha_r[r] = softmax_tile_row(s, visible, m[r], l[r]);
+                alpha_r[r] = softmax_tile_row(s, first, visible, m[r], l[r]);
                 nv = std::max(nv, visible);
                 continue;
             }
             float tile_max = NEG_BIG;
-            for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
+            for (int64_t j = first; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
             const float m_new = std::max(m[r], tile_max);
             const float alpha = fast_exp(m[r] - m_new);  // 0 on the first tile
             float sum = 0.f;
             for (int j = 0; j < KEY_TILE; ++j) {
-                s[j] = j < visible ? fast_exp(s[j] - m_new) : 0.f;
+                s[j] = j >= first && j < visible ? fast_exp(s[j] - m_new) : 0.f;
                 sum += s[j];
             }
             l[r] = l[r] * alpha + sum;
@@ -146,7 +153,7 @@ void attend_tile(const Item& it, const T* q, const T* k_cache, const T* v_cache,
             nv = std::max(nv, visible);
             float* a = acc[r];
             for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
-            for (int64_t j = 0; j < visible; ++j)
+            for (int64_t j = first; j < visible; ++j)
                 for (int64_t d = 0; d < D; ++d) a[d] += s[j] * vrow[j][d];
         }
         if constexpr (DC > 0 && DC % 16 == 0) scale_accumulate<DC, LD>(acc, alpha_r, sc[0], KEY_TILE, 1, vrow, nv, rows);
@@ -183,8 +190,9 @@ void run(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* 
             for (int64_t h = 0; h < sh.num_kv_heads; ++h)
                 items.push_back({s, h, b, std::min(b + tokens, query_start[s + 1])});
     }
-    auto weight = [&](const Item& a) {
-        return (a.q_end - a.q_begin) * seq_lens[a.seq] * (a.kv_head < 0 ? sh.num_kv_heads : 1);
+    auto weight = [&](const Item& a) {  // query tokens x the keys they read (a window caps those)
+        const int64_t n = a.q_end - a.q_begin, keys = seq_lens[a.seq];
+        return n * (sh.window > 0 ? std::min(keys, sh.window + n) : keys) * (a.kv_head < 0 ? sh.num_kv_heads : 1);
     };
     std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return weight(a) > weight(b); });
     const int64_t n = static_cast<int64_t>(items.size());
@@ -195,11 +203,12 @@ void run(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* 
     // A thread grabs all KV heads of one (sequence, tile) (adjacent after the sort): their rows interleave in
     // memory, so it streams the blocks rather than reading them once per head.
     const int64_t grab = whole ? 1 : sh.num_kv_heads;
+    const auto decode = sh.softcap > 0.f ? kernels.decode_capped : kernels.decode;
     // Chunk tiles (8+ query rows) take the key-major kernel (paged_chunk.h) where the head dim allows.
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, grab)
     for (int64_t i = 0; i < n; ++i) {
         if (items[i].kv_head < 0) {
-            kernels.decode(items[i], q, k_cache, v_cache, out, seq_lens, block_tables, sh);
+            decode(items[i], q, k_cache, v_cache, out, seq_lens, block_tables, sh);
             continue;
         }
         if (kernels.chunk && (items[i].q_end - items[i].q_begin) * G >= 8) {
@@ -246,17 +255,19 @@ int mixserve_store_kv(int dtype, const void* k, const void* v, int64_t k_stride_
 
 // dtype: 0 = float32, 1 = bfloat16. Caches (num_blocks, block_size, num_kv_heads, head_dim) contiguous;
 // q and out (T, num_heads, head_dim) with the given token and head strides (last dim contiguous).
+// scale multiplies q.k; window (0: full causal) and softcap (0: none) as in Shape.
 // Returns 0, or a positive code for arguments the kernel cannot take.
 int mixserve_paged_attention(int dtype, const void* q, const void* k_cache, const void* v_cache, void* out,
                              const int64_t* query_start, const int64_t* seq_lens,
                              const int64_t* block_tables, int64_t num_seqs, int64_t max_blocks,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                              int64_t q_stride_t, int64_t q_stride_h, int64_t o_stride_t, int64_t o_stride_h,
-                             float scale, int num_threads) {
+                             float scale, int num_threads, int64_t window, float softcap) {
     if (head_dim > MAX_HEAD_DIM || num_kv_heads < 1 || num_heads % num_kv_heads != 0) return 1;
     if (num_heads / num_kv_heads > MAX_ROWS) return 2;
+    if (window < 0 || softcap < 0.f) return 4;
     const Shape sh{num_heads, num_kv_heads, head_dim, block_size, max_blocks,
-                   q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale};
+                   q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap};
     if (dtype == 0)
         run(static_cast<const float*>(q), static_cast<const float*>(k_cache), static_cast<const float*>(v_cache),
             static_cast<float*>(out), query_start, seq_lens, block_tables, num_seqs, sh, num_threads);

@@ -62,22 +62,24 @@ inline void key_major_scores(const float (*kbuf)[DC], int64_t nk, const vf16* qt
 // One online-softmax step of a group's rows over a key tile, key-major, on lanes of type VF (VL of them;
 // AVX2 takes a group's 16 rows as two halves of 8, where GCC's vf16 code went through the stack): sc + 16 j
 // holds key j's scores of the 16 rows, from `lane` on; the numerators go to p + j * MAX_ROWS; m, l, alpha
-// and row_pos are the group's running max, sum, rescale factor and positions (-1: a padding row).
+// and row_pos are the group's running max, sum, rescale factor and positions (-1: a padding row). `diagonal`
+// masks keys past a row's position, `window` > 0 keys at or below its position - window.
 template <typename VF, typename VI>
-inline void softmax_tile_lanes(float* sc, int64_t nk, bool diagonal, int64_t k0, const int32_t* row_pos,
-                               float* m, float* l, float* alpha, float* p) {
+inline void softmax_tile_lanes(float* sc, int64_t nk, bool diagonal, int64_t window, int64_t k0,
+                               const int32_t* row_pos, float* m, float* l, float* alpha, float* p) {
     auto ld = [](const float* a) { VF v; memcpy(&v, a, sizeof v); return v; };
     auto st = [](float* a, VF v) { memcpy(a, &v, sizeof v); };
     VI pos;
     memcpy(&pos, row_pos, sizeof pos);
     const VF zero = {}, neg = zero + NEG_BIG;
     VF mx = neg;
+    const VI lowest = pos - static_cast<int32_t>(window);  // with a window: keys above this
     for (int64_t j = 0; j < nk; ++j) {
         VF v = ld(sc + 16 * j);
-        if (diagonal) {
-            v = (VI{} + static_cast<int32_t>(k0 + j)) <= pos ? v : neg;
-            st(sc + 16 * j, v);
-        }
+        const VI key = VI{} + static_cast<int32_t>(k0 + j);
+        if (diagonal) v = key <= pos ? v : neg;
+        if (window > 0) v = key > lowest ? v : neg;
+        if (diagonal || window > 0) st(sc + 16 * j, v);
         mx = mx > v ? mx : v;
     }
     const VF m_old = ld(m), m_new = m_old > mx ? m_old : mx;
@@ -135,27 +137,32 @@ void attend_chunk(const Item& it, const T* q, const T* k_cache, const T* v_cache
     }
     memset(acc, 0, sizeof(float) * DC * 16 * groups);
 
-    const int64_t num_keys = pos0 + n_tok;  // the last query of the tile sees keys 0..pos0 + n_tok - 1
-    for (int64_t k0 = 0; k0 < num_keys; k0 += KEY_TILE) {
+    const int64_t num_keys = pos0 + n_tok;  // the last query of the tile sees keys up to pos0 + n_tok - 1
+    const int64_t k_first = first_key(pos0, sh);  // the first query's window starts earliest
+    for (int64_t k0 = k_first; k0 < num_keys; k0 += KEY_TILE) {
         const int64_t nk = std::min<int64_t>(KEY_TILE, num_keys - k0);
-        prefetch_ahead(k_cache, v_cache, table, k0, num_keys, head_off, DC, sh);
+        prefetch_ahead(k_cache, v_cache, table, k0, k_first, num_keys, head_off, DC, sh);
         tile_rows<T, DC>(k_cache, table, k0, nk, head_off, sh, vbuf, krow);
         for (int64_t j = 0; j < nk; ++j) memcpy(kbuf[j], krow[j], sizeof(float) * DC);
         tile_rows<T, DC>(v_cache, table, k0, nk, head_off, sh, vbuf, vrow);
-        // Keys past pos0 may lie beyond some rows (the chunk's diagonal): those tiles need the causal mask.
+        // Keys past pos0 may lie beyond some rows (the chunk's diagonal): those tiles need the causal mask;
+        // keys below the last row's window start (first_key) need the window's.
         const bool diagonal = k0 + nk - 1 > pos0;
+        const int64_t window = sh.window > 0 && k0 < first_key(pos0 + n_tok - 1, sh) ? sh.window : 0;
         for (int64_t g = 0; g < groups; ++g) {
             vf16 s[KEY_TILE];
             key_major_scores<DC>(kbuf, nk, qt[g], s);
             float* sc = reinterpret_cast<float*>(s);
+            if (sh.softcap > 0.f) softcap_scores(sc, 16 * nk, sh.softcap);
             const int32_t* pos = reinterpret_cast<const int32_t*>(row_pos + g);
             float *mg = reinterpret_cast<float*>(m + g), *lg = reinterpret_cast<float*>(l + g);
             if constexpr (VF16_REGS < 32) {
                 for (int h = 0; h < 16; h += 8)
-                    softmax_tile_lanes<vf8, vi8>(sc + h, nk, diagonal, k0, pos + h, mg + h, lg + h, alpha + 16 * g + h,
-                                                 p[0] + 16 * g + h);
+                    softmax_tile_lanes<vf8, vi8>(sc + h, nk, diagonal, window, k0, pos + h, mg + h, lg + h,
+                                                 alpha + 16 * g + h, p[0] + 16 * g + h);
             } else {
-                softmax_tile_lanes<vf16, vi16>(sc, nk, diagonal, k0, pos, mg, lg, alpha + 16 * g, p[0] + 16 * g);
+                softmax_tile_lanes<vf16, vi16>(sc, nk, diagonal, window, k0, pos, mg, lg, alpha + 16 * g,
+                                               p[0] + 16 * g);
             }
         }
         scale_accumulate<DC, DC>(acc, alpha, p[0], 1, MAX_ROWS, vrow, nk, 16 * groups);

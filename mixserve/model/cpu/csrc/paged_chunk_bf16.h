@@ -72,25 +72,33 @@ void attend_chunk_bf16(const Item& it, const uint16_t* q, const uint16_t* k_cach
     }
     memset(acc, 0, sizeof(float) * DC * 16 * groups);
 
-    const int64_t num_keys = pos0 + n_tok;  // the last query of the tile sees keys 0..pos0 + n_tok - 1
+    const int64_t num_keys = pos0 + n_tok;  // the last query of the tile sees keys up to pos0 + n_tok - 1
+    const int64_t k_first = first_key(pos0, sh);  // the first query's window starts earliest
+    const float log2e = 1.44269504088896341f, cap = sh.softcap * log2e;  // the softcap in log2 units
     const vf16 zero = {}, neg = zero + NEG_BIG;
-    for (int64_t k0 = 0; k0 < num_keys; k0 += KEY_TILE) {
+    for (int64_t k0 = k_first; k0 < num_keys; k0 += KEY_TILE) {
         const int64_t nk = std::min<int64_t>(KEY_TILE, num_keys - k0);
-        prefetch_ahead(k_cache, v_cache, table, k0, num_keys, head_off, DC, sh);
+        prefetch_ahead(k_cache, v_cache, table, k0, k_first, num_keys, head_off, DC, sh);
         raw_rows(k_cache, table, k0, nk, kv_row, head_off, sh, kraw);
         raw_rows(v_cache, table, k0, nk, kv_row, head_off, sh, vraw);
         for (int64_t j = nk; j < KEY_TILE; ++j) vraw[j] = zero_row;  // P.V runs whole tiles (p = 0 there)
-        // Keys past pos0 may lie beyond some rows (the chunk's diagonal): those tiles need the causal mask.
+        // Keys past pos0 may lie beyond some rows (the chunk's diagonal): those tiles need the causal mask;
+        // keys below the last row's window start (first_key) need the window's.
         const bool diagonal = k0 + nk - 1 > pos0;
+        const bool windowed = sh.window > 0 && k0 < first_key(pos0 + n_tok - 1, sh);
         vf16 sg[MAX_GROUPS][KEY_TILE];
-        key_major_scores_bf16<DC>(kraw, nk, qp, groups, sh.scale * 1.44269504088896341f, sg);
+        key_major_scores_bf16<DC>(kraw, nk, qp, groups, sh.scale * log2e, sg);
         bool rescaled[MAX_GROUPS];
         for (int64_t g = 0; g < groups; ++g) {
             vf16* s = sg[g];
+            if (sh.softcap > 0.f) softcap_scores(reinterpret_cast<float*>(s), 16 * nk, cap);
+            const vi16 lowest = row_pos[g] - static_cast<int32_t>(sh.window);  // with a window: keys above this
             vf16 mx = neg;
             for (int64_t j = 0; j < KEY_TILE; ++j) {
+                const vi16 key = vi16{} + static_cast<int32_t>(k0 + j);
                 if (j >= nk) s[j] = neg;
-                else if (diagonal) s[j] = (vi16{} + static_cast<int32_t>(k0 + j)) <= row_pos[g] ? s[j] : neg;
+                else if (diagonal) s[j] = key <= row_pos[g] ? s[j] : neg;
+                if (windowed) s[j] = key > lowest ? s[j] : neg;
                 mx = mx > s[j] ? mx : s[j];
             }
             rescaled[g] = _mm512_cmp_ps_mask((__m512)(mx - m[g]), _mm512_set1_ps(RESCALE_LOG2), _CMP_GT_OQ) != 0;

@@ -6,6 +6,7 @@
 // head over the span, then P.V over it. The online softmax's bookkeeping (the max, the rescale factor, the
 // accumulator's rescale) happens once a span, not once a tile: once per tile it cost more than the products
 // themselves in bf16, where the arithmetic, not the reads, bounds a decode.
+// A sliding window starts the keys at ctx - window: the blocks below it stay in the cache, unread.
 #pragma once
 #include <stdint.h>
 
@@ -106,8 +107,8 @@ constexpr bool decode_reads_in_place() {
 
 // One decode (a single query token) over every KV head at once: a key's rows for all heads lie side by side
 // in the cache, so each block is streamed once, where an item per KV head read it num_kv_heads times at a
-// stride.
-template <typename T, int DC>
+// stride. CAP: the layer caps its scores (sh.softcap), compiled apart so the uncapped loop carries no branch.
+template <typename T, int DC, bool CAP>
 void attend_decode(const Item& it, const T* q, const T* k_cache, const T* v_cache, T* out,
                    const int64_t* seq_lens, const int64_t* block_tables, const Shape& sh) {
     const int64_t nkv = sh.num_kv_heads, G = sh.num_heads / nkv, rows = sh.num_heads, ctx = seq_lens[it.seq];
@@ -142,11 +143,12 @@ void attend_decode(const Item& it, const T* q, const T* k_cache, const T* v_cach
         else if (pos < 2 * nt) feed.aim(v_cache, table, s0 + (pos - nt) * KEY_TILE, ctx, kv_row, sh);
         else feed.aim(k_cache, table, s0 + span + (pos - 2 * nt) * KEY_TILE, ctx, kv_row, sh);
     };
+    const int64_t k_first = first_key(ctx - 1, sh);  // the token is at ctx - 1: it sees keys k_first..ctx - 1
     for (int64_t t = 0; t < PREFETCH_TILES; ++t) {
-        feed.aim(k_cache, table, t * KEY_TILE, ctx, kv_row, sh);
+        feed.aim(k_cache, table, k_first + t * KEY_TILE, ctx, kv_row, sh);
         feed.issue(feed.total());
     }
-    for (int64_t s0 = 0; s0 < ctx; s0 += span) {  // the token is at ctx - 1: it sees every key
+    for (int64_t s0 = k_first; s0 < ctx; s0 += span) {
         const int64_t n = std::min<int64_t>(span, ctx - s0), nt = (n + KEY_TILE - 1) / KEY_TILE;
         for (int64_t t = 0; t < nt; ++t) {  // every head's scores of the span
             const int64_t k0 = s0 + t * KEY_TILE, nk = std::min<int64_t>(KEY_TILE, ctx - k0);
@@ -169,6 +171,8 @@ void attend_decode(const Item& it, const T* q, const T* k_cache, const T* v_cach
                 }
             }
         }
+        if constexpr (CAP)
+            for (int64_t h = 0; h < rows; ++h) softcap_scores(sc + h * span, nt * KEY_TILE, sh.softcap);
         for (int64_t h = 0; h < rows; ++h) {  // one online-softmax step a head
             float* s = sc + h * span;
             const float alpha = softmax_span_row(s, n, m[h], l[h], DOT ? pp + h * (span / 2) : nullptr);

@@ -19,6 +19,7 @@ struct ItemKernels {
     int64_t max_decode_row = 0;  // the largest row of every KV head (elements) the decode item takes
     void (*decode)(const Item&, const T*, const T*, const T*, T*, const int64_t*, const int64_t*,
                    const Shape&) = nullptr;
+    decltype(decode) decode_capped = nullptr;  // the decode item of a layer with a softcap
     void (*chunk)(const Item&, const T*, const T*, const T*, T*, const int64_t*, const int64_t*, const int64_t*,
                   const Shape&) = nullptr;
 };
@@ -26,7 +27,8 @@ struct ItemKernels {
 template <typename T, int DC>
 ItemKernels<T> kernels_for() {
     ItemKernels<T> k;
-    k.decode = attend_decode<T, DC>;
+    k.decode = attend_decode<T, DC, false>;
+    k.decode_capped = attend_decode<T, DC, true>;
     k.max_decode_row = decode_reads_in_place<T, DC>() ? INT64_MAX : MAX_DECODE_ROW;
     if constexpr (BF16_DOT && std::is_same_v<T, uint16_t> && DC % 32 == 0)
         k.chunk = attend_chunk_bf16<DC>;  // vdpbf16ps on the cache's bf16 (bf16_dot.h)

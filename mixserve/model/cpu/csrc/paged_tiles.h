@@ -31,7 +31,14 @@ struct Shape {
     int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
     int64_t q_stride_t, q_stride_h, o_stride_t, o_stride_h;
     float scale;
+    int64_t window;  // 0: full causal; w > 0: a query at p sees keys p - w < j <= p
+    float softcap;   // 0: none; c > 0: each scaled score s becomes c * tanh(s / c)
 };
+
+// The first key a query at position p sees (the window's start, or 0).
+inline int64_t first_key(int64_t p, const Shape& sh) {
+    return sh.window > 0 ? std::max<int64_t>(0, p - sh.window + 1) : 0;
+}
 
 // Rows of K (or V) for one key tile as float pointers: float32 caches are read in place, bfloat16 rows
 // are widened into `buf` once per tile.
@@ -81,12 +88,12 @@ inline void prefetch_rows(const T* cache, const int64_t* table, int64_t k0, int6
     }
 }
 
-// The K and V rows of the keys PREFETCH_TILES tiles past key tile k0 (the first tile asks for all of them),
-// of keys below num_keys.
+// The K and V rows of the keys PREFETCH_TILES tiles past key tile k0 (the first tile, k0 == k_first, asks for
+// all of them), of keys below num_keys.
 template <typename T>
-inline void prefetch_ahead(const T* k_cache, const T* v_cache, const int64_t* table, int64_t k0, int64_t num_keys,
-                           int64_t head_off, int64_t D, const Shape& sh, int64_t heads = 1) {
-    const int64_t p0 = k0 == 0 ? KEY_TILE : k0 + PREFETCH_TILES * KEY_TILE;
+inline void prefetch_ahead(const T* k_cache, const T* v_cache, const int64_t* table, int64_t k0, int64_t k_first,
+                           int64_t num_keys, int64_t head_off, int64_t D, const Shape& sh, int64_t heads = 1) {
+    const int64_t p0 = k0 == k_first ? k0 + KEY_TILE : k0 + PREFETCH_TILES * KEY_TILE;
     const int64_t p1 = std::min<int64_t>(num_keys, k0 + (PREFETCH_TILES + 1) * KEY_TILE);
     if (p0 < p1) {
         prefetch_rows(k_cache, table, p0, p1 - p0, head_off, D, sh, heads);

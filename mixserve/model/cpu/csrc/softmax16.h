@@ -66,12 +66,43 @@ inline VF exp_lanes(VF x) {
 
 inline vf16 exp16(vf16 x) { return exp_lanes<vf16, vi16>(x); }
 
-// Scores s (16 lanes; lanes from `visible` on are not keys this row sees) become the tile's softmax numerators
-// exp(s - m_new) (0 past `visible`), with the row's running max m and sum l updated; returns the factor the
-// row's accumulator must be scaled by (0 on the row's first tile).
-inline float softmax_tile_row(float* s, int64_t visible, float& m, float& l) {
+// tanh on a vector of lanes: an odd Taylor polynomial to x^15 below |x| = 0.5 (truncated after ~1e-8 there, where
+// 1 - 2 / (e^2x + 1) would lose digits to cancellation), (1 - e) / (1 + e) with e = exp(-2|x|) above it.
+template <typename VF, typename VI>
+inline VF tanh_lanes(VF x) {
+    const VF zero = {}, ax = x < zero ? -x : x, x2 = x * x;
+    VF p = x2 * -1.4558343870513183e-3f + 3.5921280365724810e-3f;
+    p = p * x2 - 8.8632355299021966e-3f;
+    p = p * x2 + 2.1869488536155203e-2f;
+    p = p * x2 - 5.3968253968253968e-2f;
+    p = p * x2 + 1.3333333333333333e-1f;
+    p = p * x2 - 3.3333333333333333e-1f;
+    p = p * x2 + 1.f;
+    const VF e = exp_lanes<VF, VI>(ax * -2.f);
+    const VF t = ax < zero + 0.5f ? p * ax : (1.f - e) / (1.f + e);
+    return x < zero ? -t : t;
+}
+
+// Gemma 2's logit softcap in place on n scores (n a multiple of 16): s = cap * tanh(s / cap). On AVX2 in halves
+// of 8 (vec16.h's vf8), where GCC's vf16 code spills.
+inline void softcap_scores(float* s, int64_t n, float cap) {
+    const float inv = 1.f / cap;
+    for (int64_t i = 0; i < n; i += 16) {
+        if constexpr (VF16_REGS < 32) {
+            store8(s + i, tanh_lanes<vf8, vi8>(load8(s + i) * inv) * cap);
+            store8(s + i + 8, tanh_lanes<vf8, vi8>(load8(s + i + 8) * inv) * cap);
+        } else {
+            store16(s + i, tanh_lanes<vf16, vi16>(load16(s + i) * inv) * cap);
+        }
+    }
+}
+
+// Scores s (16 lanes; only lanes first..visible-1 are keys this row sees) become the tile's softmax numerators
+// exp(s - m_new) (0 elsewhere), with the row's running max m and sum l updated; returns the factor the row's
+// accumulator must be scaled by (0 on the row's first tile). Needs first < visible.
+inline float softmax_tile_row(float* s, int64_t first, int64_t visible, float& m, float& l) {
     const vi16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const vi16 keep = iota < static_cast<int32_t>(visible);
+    const vi16 keep = (iota >= static_cast<int32_t>(first)) & (iota < static_cast<int32_t>(visible));
     const vf16 zero = {}, neg = zero + NEG_BIG;
     vf16 v = load16(s);
     v = keep ? v : neg;
