@@ -13,6 +13,10 @@ CUDA graph (mixserve/runner/cuda_graph.py) and replayed for any lengths up to ct
 run-time argument (only "one split or several" is compiled in), so the graphs of every batch size and
 context capacity share two compiled variants of the decode kernel and one of the merge kernel.
 
+A layer's sliding window is a run-time argument too (each sequence's keys start at seq_len - window, on the
+device; the splits cover only the window), its softcap a constexpr (a tanh on the scores; Gemma 2 has one
+value), so a graph captures each layer with its own values.
+
 Only plain Triton (tl.load/store/dot/exp/log/max/sum/where): no descriptors or TMA, so the kernels run
 under the interpreter on CPU tensors (the tests) and should compile on any recent Triton.
 """
@@ -48,15 +52,18 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, ctx: int, block_n: int 
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    ctx, split_len, scale,
+    ctx, split_len, scale, window,
     stride_qs, stride_qh, stride_qd,
     stride_cb, stride_cs, stride_ch,  # K and V caches share one contiguous layout; last stride is 1
     stride_bts, stride_btc,
     stride_os, stride_oh,  # out (S, Hq, D), last stride 1
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
-    """One (sequence, KV head, split): the GROUP query heads of that KV head over its split's positions."""
+    """One (sequence, KV head, split): the GROUP query heads of that KV head over its split's positions.
+
+    window: the keys a query sees (>= ctx for full attention), so splits start at seq_len - window.
+    """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -71,10 +78,11 @@ def _paged_decode_kernel(
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     q = q.to(k_cache_ptr.dtype.element_ty)
 
-    # Positions this program reads: its split's range, cut at the sequence's length (never past ctx, the
-    # block table's width). A split wholly past the length runs no iteration: a neutral partial below.
+    # Positions this program reads: its split's range from the window's first key, cut at the sequence's
+    # length (never past ctx, the block table's width). A split wholly past the length runs no iteration: a
+    # neutral partial below. The keys below a window stay in the cache (no block is freed), unread.
     seq_len = tl.minimum(tl.load(seq_lens_ptr + seq).to(tl.int32), ctx)
-    begin = split * split_len
+    begin = tl.maximum(seq_len - window, 0) + split * split_len
     end = tl.minimum(begin + split_len, seq_len)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of the scores per row
@@ -87,7 +95,7 @@ def _paged_decode_kernel(
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, pos, valid, dims,
                             dim_ok, stride_bts, stride_btc, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
         # Every tile holds at least one valid position (pos < end), so the running max stays finite.
-        m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], scale, m_i, l_i, acc)
+        m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], scale, m_i, l_i, acc, SOFTCAP)
 
     # An empty split keeps l_i = 0: output 0 with weight exp(-inf) = 0 (no 0/0, no log(0)).
     nonempty = l_i > 0
@@ -141,14 +149,16 @@ def _merge_splits_kernel(
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, ctx: int,
                            scale: float | None = None, num_splits: int | None = None, *,
-                           block_n: int = BLOCK_N) -> torch.Tensor:
+                           block_n: int = BLOCK_N, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Decode attention of q (S, Hq, D) over each sequence's first seq_lens cache positions, read in place.
 
     k_cache/v_cache: (num_blocks, block_size, Hkv, D), contiguous. block_tables: (S, >= ctx / block_size)
     int64 or int32 page ids. seq_lens: (S,) on the device, at most ctx (never read on the host: this runs
     inside CUDA graphs; only the static capacity ctx sizes the launch). q may be a strided view (a slice
     of a fused qkv buffer). num_splits: None for default_num_splits; block_n: positions per tile (a power
-    of two >= 16; tests use small tiles to cross several with small shapes). Returns (S, Hq, D) in q.dtype.
+    of two >= 16; tests use small tiles to cross several with small shapes). window > 0: each query sees only
+    its sequence's last `window` keys; softcap > 0: scores capped as softcap * tanh(s / softcap). Returns
+    (S, Hq, D) in q.dtype.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -158,10 +168,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("k_cache and v_cache must be contiguous and of one shape")
     if block_tables.shape[0] < num_seqs or block_tables.shape[1] * block_size < ctx:
         raise ValueError(f"block_tables {tuple(block_tables.shape)} cannot cover ctx {ctx}")
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window {window} and softcap {softcap} must be 0 (off) or positive")
     group = num_heads // num_kv_heads
-    splits = num_splits or default_num_splits(num_seqs, num_kv_heads, ctx, block_n)
-    # Each split covers whole tiles; recount so that no split starts past ctx.
-    tiles = max(-(-ctx // block_n), 1)
+    span = min(ctx, window) if window > 0 else ctx  # the most keys a query reads
+    splits = num_splits or default_num_splits(num_seqs, num_kv_heads, span, block_n)
+    # Each split covers whole tiles; recount so that no split starts past the span.
+    tiles = max(-(-span // block_n), 1)
     tiles_per_split = -(-tiles // max(1, min(splits, tiles)))
     splits = -(-tiles // tiles_per_split)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -177,14 +190,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     head_dim_pad = triton.next_power_of_2(head_dim)
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        ctx, tiles_per_split * block_n, scale,
+        ctx, tiles_per_split * block_n, scale, window if window > 0 else ctx,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), block_tables.stride(1),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, head_dim_pad),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=splits == 1,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=splits == 1, SOFTCAP=float(softcap),
     )
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_kv_heads)](
@@ -197,7 +210,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, ctx: int,
-                               scale: float | None = None) -> torch.Tensor:
+                               scale: float | None = None, window: int = 0,
+                               softcap: float = 0.0) -> torch.Tensor:
     """The reference: one fp32 softmax per sequence over its K/V gathered from the cache (reads lengths
     on the host: for tests only)."""
     num_seqs, num_heads, head_dim = q.shape
@@ -207,11 +221,13 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     for s, length in enumerate(seq_lens.tolist()):
         length = min(length, ctx)
-        pos = torch.arange(length, device=q.device)
+        pos = torch.arange(max(0, length - window) if window > 0 else 0, length, device=q.device)
         pages = block_tables[s, pos // block_size].long()
         keys = k_cache[pages, pos % block_size].float().repeat_interleave(group, dim=1)  # (L, Hq, D)
         values = v_cache[pages, pos % block_size].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[s].float(), keys) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
         out[s] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), values).to(q.dtype)
     return out
 

@@ -10,7 +10,9 @@ ONE sequence per tile, so a decode is a tile of one token and a 500-token chunk 
 grid is (tiles, KV heads); a program takes its tile's block_m tokens x the GROUP query heads of its KV
 head as block_m * GROUP rows of one matrix (padded to >= 16 rows for tl.dot), so K/V of a GQA group are
 read once for all its heads. It walks the cache positions 0 .. (last query position of the tile) in
-BLOCK_N tiles with an online softmax in fp32; each row sees the keys at positions <= its own (causal).
+BLOCK_N tiles with an online softmax in fp32; each row sees the keys at positions <= its own (causal),
+and with a layer's sliding window w only those above its own - w (the walk then starts at the tile's first
+query's window); a layer's softcap (a constexpr) caps the scores with a tanh before the softmax.
 
 Only plain Triton (tl.load/store/dot/exp/log/max/sum/where): no descriptors or TMA, so the kernel runs
 under the interpreter on CPU tensors (the tests) and should compile on any recent Triton.
@@ -29,6 +31,7 @@ from mixserve.kernels.paged_tiles import load_kv_tile, online_softmax_step
 BLOCK_N = 64  # cache positions per tile of the KV loop
 MIN_DOT_ROWS = 16  # tl.dot wants at least 16 rows: a tile's rows are padded up to this
 TARGET_ROWS = 64  # block_m * GROUP rows per program: a standard flash-attention Q tile
+FULL_WINDOW = 1 << 30  # the window of full attention: past any position (int32 arithmetic stays in range)
 
 
 def default_block_m(group: int) -> int:
@@ -63,18 +66,20 @@ def build_tiles(query_lens: list[int], block_m: int) -> tuple[list[int], list[in
 @triton.jit
 def _paged_varlen_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    tile_seq_ptr, tile_start_ptr, out_ptr, scale,
+    tile_seq_ptr, tile_start_ptr, out_ptr, scale, window,
     stride_qt, stride_qh, stride_qd,
     stride_cb, stride_cs, stride_ch,  # K and V caches share one contiguous layout; last stride is 1
     stride_bts, stride_btc,
     stride_ot, stride_oh,  # out (T, Hq, D), last stride 1
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One (query tile, KV head): the tile's tokens x the GROUP query heads of that KV head, as ROWS rows.
 
     Row r is token r // GROUP_PAD of the tile, query head kv_head * GROUP + r % GROUP_PAD; rows past the
-    tile's tokens or the group are padding (computed, never stored).
+    tile's tokens or the group are padding (computed, never stored). window: the keys a query sees,
+    itself included (past any position for full attention).
     """
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -100,23 +105,26 @@ def _paged_varlen_kernel(
     q = tl.load(q_ptr + q_row[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :] * stride_qd,
                 mask=io_mask, other=0.0)
     q = q.to(k_cache_ptr.dtype.element_ty)
-    # Every row, padding included, has a position >= 0, so key 0 (in the first KV tile) is visible to each
-    # row and its running max is finite from the first tile on: no exp(-inf - -inf).
+    # Every row, padding included, sees itself; with a window, a row may see no key of the first KV tiles
+    # (online_softmax_step keeps such a row neutral).
     q_pos = first_pos + tile_off + token
-    # Keys the tile needs: 0 .. its last real query's position (never past seq_len).
+    # Keys the tile needs: from its first query's window start to its last real query's position (never
+    # past seq_len). The keys below a window stay in the cache (no block is freed), unread.
     end = first_pos + tl.minimum(tile_off + BLOCK_M, query_len)
+    begin = tl.maximum(first_pos + tile_off - window + 1, 0)
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)  # running max of the scores per row
     l_i = tl.zeros([ROWS], tl.float32)  # running sum of exp(score - m_i)
     acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
     offsets = tl.arange(0, BLOCK_N)
-    for start in range(0, end, BLOCK_N):
+    for start in range(begin, end, BLOCK_N):
         pos = start + offsets
         valid = pos < end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, pos, valid, dims,
                             dim_ok, stride_bts, stride_btc, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
-        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # length mask and causal mask
-        m_i, l_i, acc = online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc)
+        # length mask, causal mask, window
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc, SOFTCAP)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_row[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -126,7 +134,8 @@ def _paged_varlen_kernel(
 def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                            tile_seq: torch.Tensor, tile_start: torch.Tensor, block_m: int,
-                           scale: float | None = None, *, block_n: int = BLOCK_N) -> torch.Tensor:
+                           scale: float | None = None, *, block_n: int = BLOCK_N, window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of packed queries q (T, Hq, D) over their sequences' K/V, read in place.
 
     Sequence i owns rows query_start[i]:query_start[i+1] of q; its query j sits at position
@@ -135,7 +144,8 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     int32 page ids covering seq_lens. tile_seq/tile_start: `build_tiles(query_lens, block_m)` on the device
     (nothing is read on the host here). q may be a strided view (a slice of a fused qkv buffer). block_n:
     positions per KV tile (a power of two >= 16; tests use 16 to cross several with small shapes).
-    Returns (T, Hq, D) in q.dtype.
+    window > 0: query j sees only positions above its own - window; softcap > 0: scores capped as
+    softcap * tanh(s / softcap). Returns (T, Hq, D) in q.dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads, cache_dim = k_cache.shape[1:]
@@ -145,6 +155,8 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("k_cache and v_cache must be contiguous and of one shape")
     if tile_seq.shape != tile_start.shape or block_m < 1:
         raise ValueError(f"tiles {tuple(tile_seq.shape)} / {tuple(tile_start.shape)}, block_m {block_m}")
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window {window} and softcap {softcap} must be 0 (off) or positive")
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -155,6 +167,7 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     _paged_varlen_kernel[(num_tiles, num_kv_heads)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start, tile_seq, tile_start, out, scale,
+        window if window > 0 else FULL_WINDOW,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), block_tables.stride(1),
@@ -162,14 +175,15 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
         ROWS=max(MIN_DOT_ROWS, triton.next_power_of_2(block_m * group_pad)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SOFTCAP=float(softcap),
     )
     return out
 
 
 def paged_varlen_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
-                               scale: float | None = None) -> torch.Tensor:
+                               scale: float | None = None, window: int = 0,
+                               softcap: float = 0.0) -> torch.Tensor:
     """The reference: one fp32 causal softmax per sequence over its K/V gathered from the cache (reads
     lengths on the host: for tests and the self-check only)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -185,8 +199,13 @@ def paged_varlen_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         keys = k_cache[pages, pos % block_size].float().repeat_interleave(group, dim=1)  # (L, Hq, D)
         values = v_cache[pages, pos % block_size].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("thd,lhd->htl", q[begin:end].float(), keys) * scale  # (Hq, n, L)
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(length - (end - begin), length, device=q.device)
-        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        hidden = pos[None, None, :] > q_pos[None, :, None]
+        if window > 0:
+            hidden |= pos[None, None, :] <= q_pos[None, :, None] - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[begin:end] = torch.einsum("htl,lhd->thd", probs, values).to(q.dtype)
     return out

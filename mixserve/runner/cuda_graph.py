@@ -9,6 +9,8 @@ padding rows point at a scratch KV block that no request owns. Mixed steps (any 
 The graph reads its inputs from one static int64 buffer on the device, filled by one non-blocking copy
 from pinned memory per step, laid out from the same host flattener as eager metadata (attention/base.py);
 the attention metadata over that buffer is the backend's (`graph_metadata` hook), built once at capture.
+Each layer's attention arguments (scale, sliding window, softcap) are constants of the model that its layers
+pass on every call, so a capture records each layer with its own values and a replay changes none of them.
 No host synchronisation besides the caller reading the sampled tokens. On a CPU the same static-buffer
 path runs without capture, so its padding logic is testable there.
 """

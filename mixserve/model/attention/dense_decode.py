@@ -48,11 +48,15 @@ def dense_decode_capacity(seq_lens: Sequence[int], block_size: int) -> int | Non
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, ctx: int) -> torch.Tensor:
-    """Dense decode attention: q (S, Hq, D) against each sequence's first ctx cache slots, masked to seq_lens.
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, ctx: int, scale: float | None = None,
+                     window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Dense decode attention: q (S, Hq, D) against each sequence's first ctx cache slots, masked to seq_lens
+    (and to its last `window` keys where window > 0); scores scaled by `scale` (None: D ** -0.5) and capped
+    as c * tanh(s / c) where softcap c > 0.
 
-    Static shapes for a given (S, ctx): safe inside a CUDA graph. K/V are gathered once, straight into
-    (Hkv, S, C, D), so both matmuls read them in place; GQA groups the query heads of each KV head.
+    Static shapes for a given (S, ctx): safe inside a CUDA graph (window and softcap are per-layer constants,
+    the masks computed on the device from seq_lens). K/V are gathered once, straight into (Hkv, S, C, D), so
+    both matmuls read them in place; GQA groups the query heads of each KV head.
     """
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -62,8 +66,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k = torch.index_select(k_cache.permute(2, 0, 1, 3), 1, table).view(batch, ctx, head_dim)
     v = torch.index_select(v_cache.permute(2, 0, 1, 3), 1, table).view(batch, ctx, head_dim)
     qb = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).reshape(batch, group, head_dim)
-    scores = torch.bmm(qb.to(k.dtype), k.transpose(1, 2)).float() * (1.0 / math.sqrt(head_dim))
-    visible = torch.arange(ctx, device=q.device)[None, :] < seq_lens[:, None]  # (S, C)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    scores = torch.bmm(qb.to(k.dtype), k.transpose(1, 2)).float() * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    keys = torch.arange(ctx, device=q.device)[None, :]
+    visible = keys < seq_lens[:, None]  # (S, C)
+    if window > 0:  # the cache keeps the keys below the window (no block is freed): masked here
+        visible &= keys >= seq_lens[:, None] - window
     scores = scores.view(num_kv_heads, num_seqs, group, ctx).masked_fill(~visible[None, :, None, :],
                                                                           float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(batch, group, ctx)
@@ -80,5 +90,6 @@ class DenseDecode:
         return dense_decode_capacity(seq_lens, block_size)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               plan: DecodePlan) -> torch.Tensor:
-        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, plan.ctx)
+               plan: DecodePlan, scale: float | None, window: int, softcap: float) -> torch.Tensor:
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, plan.ctx, scale,
+                                window, softcap)

@@ -13,7 +13,8 @@ decided once per device (`configure`, or the first `prepare`):
 The decode part's launches depend only on (S, capacity), so it also serves CUDA graphs: the backend's
 decode_capacity and graph_metadata hooks are all runner/cuda_graph.py knows of it. Metadata is built once
 per forward on the host (base.flatten) and sent in one H2D copy; `forward` per layer writes the cache
-(one Triton store_kv launch where use_triton, sdpa.write_kv) and runs the part its plan names.
+(one Triton store_kv launch where use_triton, sdpa.write_kv) and runs the part its plan names, with the
+layer's scale, window and softcap (per-layer constants: a CUDA graph captures each layer with its own).
 On a CPU (no triton) it is dense decode and eager FlexAttention: correct, for tests, not fast.
 """
 
@@ -31,6 +32,7 @@ from mixserve.model.attention.base import (
     AttentionMetadata,
     GraphInputs,
     build_metadata,
+    check_features,
     is_decode_only,
 )
 from mixserve.model.attention.dense_decode import DecodePlan, DenseDecode
@@ -49,7 +51,7 @@ class DecodePart(Protocol):
         """Context capacity for decodes of these context lengths; None: they go to the packed part."""
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               plan: DecodePlan) -> torch.Tensor: ...
+               plan: DecodePlan, scale: float | None, window: int, softcap: float) -> torch.Tensor: ...
 
 
 class PackedPart(Protocol):
@@ -58,7 +60,8 @@ class PackedPart(Protocol):
     def prepare(self, batch: ForwardBatch, block_size: int, device: torch.device) -> AttentionMetadata: ...
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None, window: int,
+               softcap: float) -> torch.Tensor: ...
 
 
 def paged_capacity(max_seq_len: int, block_size: int) -> int:
@@ -81,10 +84,11 @@ class TritonDecode:
         return paged_capacity(max(seq_lens), block_size)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               plan: DecodePlan) -> torch.Tensor:
+               plan: DecodePlan, scale: float | None, window: int, softcap: float) -> torch.Tensor:
         from mixserve.kernels.paged_attention import paged_decode_attention  # imports triton
 
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, plan.ctx)
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, plan.ctx, scale,
+                                      window=window, softcap=softcap)
 
 
 class GpuAttention(AttentionBackend):
@@ -145,13 +149,15 @@ class GpuAttention(AttentionBackend):
         return packed.prepare(batch, block_size, device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, *, scale: float | None = None,
+                window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """q (T, Hq, D), k/v (T, Hkv, D); writes k/v into the caches, returns (T, Hq, D)."""
+        check_features(q.shape[-1], scale, window, softcap)
         decode, packed = self.parts(q.device)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if isinstance(meta.plan, DecodePlan):
-            return decode.attend(q, k_cache, v_cache, meta, meta.plan)
-        return packed.attend(q, k, v, k_cache, v_cache, meta)
+            return decode.attend(q, k_cache, v_cache, meta, meta.plan, scale, window, softcap)
+        return packed.attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
     def decode_capacity(self, seq_lens: Sequence[int], block_size: int) -> int | None:
         return self.parts()[0].capacity(seq_lens, block_size)

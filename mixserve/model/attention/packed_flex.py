@@ -5,14 +5,17 @@ Every sequence's queries are packed into one (1, Hq, Q, D) tensor and each seque
 mask_mod compares per-token sequence ids and absolute positions keeps attention inside each sequence and
 causal. Q and KV lengths are padded to a few size buckets so the compiled kernel is reused. Compiled on
 CUDA, eager elsewhere (it materialises the scores: small shapes only); a torch whose flex fails falls
-back, once warned, to one SDPA call per sequence.
+back, once warned, to one SDPA call per sequence. A layer's window is one more term of the mask_mod (one
+BlockMask per window and forward), its softcap a score_mod (one function per value, so compiles are reused).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,7 +47,28 @@ class FlexPlan(AttentionPlan):
     q_pad: int  # padded query length
     kv_pad: int  # padded packed KV length
     kv_slots: torch.Tensor  # (kv_pad,) int64: flat cache slot of each packed K/V entry
-    block_mask: BlockMask
+    block_mask: BlockMask  # full causal attention
+    window_mask: Callable[[int], BlockMask] | None = None  # a window's BlockMask, made by build_flex_plan
+    windowed: dict[int, BlockMask] = field(default_factory=dict)
+
+    def mask_for(self, window: int) -> BlockMask:
+        """The BlockMask of a layer's window (0: block_mask), made once per forward."""
+        if window <= 0:
+            return self.block_mask
+        if window not in self.windowed:
+            assert self.window_mask is not None  # build_flex_plan sets it
+            self.windowed[window] = self.window_mask(window)
+        return self.windowed[window]
+
+
+@functools.cache
+def softcap_score_mod(cap: float):
+    """Gemma 2's logit softcap as a FlexAttention score_mod: a scaled score s becomes cap * tanh(s / cap)."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return score_mod
 
 
 def _from_kv_blocks_kwargs() -> dict[str, Any]:
@@ -89,15 +113,28 @@ def build_flex_plan(meta: AttentionMetadata, block_size: int) -> FlexPlan:
         same = (qs == kv_seq[kv_idx]) & (kv_pos[kv_idx] <= q_pos[q_idx])
         return same | ((qs < 0) & (kv_idx == 0))
 
+    def windowed_mod(window: int):
+        # the cache keeps the keys below a window (no block is freed): the mask drops them
+        def mask_mod(b, h, q_idx, kv_idx):
+            qs, qp, kp = q_seq[q_idx], q_pos[q_idx], kv_pos[kv_idx]
+            same = (qs == kv_seq[kv_idx]) & (kp <= qp) & (kp > qp - window)
+            return same | ((qs < 0) & (kv_idx == 0))
+
+        return mask_mod
+
     blocks = block_ranges(q_seq, kv_seq, num_seqs)
     kv_num_blocks = blocks.sum(dim=1, dtype=torch.int32)
     # Stable sort puts the visible KV blocks first, in order, for each Q block.
     kv_indices = torch.argsort((~blocks).to(torch.int32), dim=1, stable=True).to(torch.int32)
-    block_mask = BlockMask.from_kv_blocks(
-        kv_num_blocks[None, None], kv_indices[None, None], BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
-        seq_lengths=(q_pad, kv_pad), **_from_kv_blocks_kwargs(),
-    )
-    return FlexPlan(num_tokens, q_pad, kv_pad, kv_slots, block_mask)
+
+    def block_mask(mod) -> BlockMask:
+        return BlockMask.from_kv_blocks(
+            kv_num_blocks[None, None], kv_indices[None, None], BLOCK_SIZE=FLEX_BLOCK, mask_mod=mod,
+            seq_lengths=(q_pad, kv_pad), **_from_kv_blocks_kwargs(),
+        )
+
+    return FlexPlan(num_tokens, q_pad, kv_pad, kv_slots, block_mask(mask_mod),
+                    lambda window: block_mask(windowed_mod(window)))
 
 
 def block_ranges(q_seq: torch.Tensor, kv_seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -138,20 +175,21 @@ class FlexPacked:
         return meta
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None, window: int,
+               softcap: float) -> torch.Tensor:
         plan = meta.plan
         assert isinstance(plan, FlexPlan)  # prepare made it: a wrong type is our bug, not the user's
         if self.fallback_reason is None:
             try:
-                return self._flex_forward(q, k_cache, v_cache, plan)
+                return self._flex_forward(q, k_cache, v_cache, plan, scale, window, softcap)
             except Exception as e:  # noqa: BLE001 - a torch/triton build without working flex compile
                 self.fallback_reason = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
                 warnings.warn(f"FlexAttention failed, mixed steps fall back to per-sequence SDPA: "
                               f"{self.fallback_reason}", RuntimeWarning, stacklevel=3)
-        return sequence_attention(q, k, v, k_cache, v_cache, meta)
+        return sequence_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
-    def _flex_forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      plan: FlexPlan) -> torch.Tensor:
+    def _flex_forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: FlexPlan,
+                      scale: float | None, window: int, softcap: float) -> torch.Tensor:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         # Gather straight into (Hkv, KV, D): index_select returns it contiguous, the layout flex wants.
         slots = plan.kv_slots
@@ -159,5 +197,6 @@ class FlexPacked:
                         for c in (k_cache, v_cache))
         query = F.pad(q.transpose(0, 1), (0, 0, 0, plan.q_pad - plan.num_tokens))
         out = self.flex_fn(q.device)(query[None].to(keys.dtype), keys[None], values[None],
-                                     block_mask=plan.block_mask, enable_gqa=True)
+                                     score_mod=softcap_score_mod(softcap) if softcap > 0 else None,
+                                     block_mask=plan.mask_for(window), scale=scale, enable_gqa=True)
         return out[0, :, : plan.num_tokens].transpose(0, 1).to(q.dtype)

@@ -49,7 +49,8 @@ class VarlenPacked:
         return meta
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None = None, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
         from mixserve.kernels.varlen_attention import (  # imports triton: CUDA machines only
             build_tiles,
             default_block_m,
@@ -66,4 +67,5 @@ class VarlenPacked:
             plan.block_m, plan.tile_seq, plan.tile_start = block_m, tiles[0], tiles[1]
             self.group = group
         return paged_varlen_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                      meta.query_start, plan.tile_seq, plan.tile_start, plan.block_m)
+                                      meta.query_start, plan.tile_seq, plan.tile_start, plan.block_m, scale,
+                                      window=window, softcap=softcap)
