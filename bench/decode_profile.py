@@ -1,11 +1,12 @@
 """Where a decode step's time goes on this CPU: per-op timers around the runner's layer ops and attention.
 
 Not a test. Run: .venv/bin/python bench/decode_profile.py [--seqs 1,32] [--context 512] [--repeats 5]
-The default model in float32 (or --dtype bfloat16), the decode batches bench/forward.py checks (one token; 32
-sequences at context 512). Each op of the model's forward (each linear by its weight's shape, the norms, SiLU,
-RoPE, attention) is timed with perf_counter around the call; ms per forward, median of the repeats, beside the
-forward's own time, so the untimed rest (embedding, Python) shows too. The timers add two perf_counter calls
-an op. Prints the CPU's flags and the kernel build it ran ($MIXSERVE_KERNEL_MARCH=haswell: the AVX2 code).
+The default model (or --model PATH) in float32 (or --dtype bfloat16), the decode batches
+bench/forward.py checks (one token; 32 sequences at context 512). Each op of the model's forward (each
+linear by its weight's shape, the norms, SiLU, RoPE, attention) is timed with perf_counter around the call;
+ms per forward, median of the repeats, beside the forward's own time, so the untimed rest (embedding,
+Python) shows too. The timers add two perf_counter calls an op. Prints the CPU's flags and the kernel build
+it ran ($MIXSERVE_KERNEL_MARCH=haswell: the AVX2 code).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ class OpTimers:
         self.seconds: dict[str, float] = defaultdict(float)
 
     def wrap(self, name: str | Callable[..., str], fn: Callable[..., object]) -> Callable[..., object]:
-        def timed(*args: object) -> object:
+        def timed(*args: object, **kwargs: object) -> object:
             t0 = time.perf_counter()
-            out = fn(*args)
+            out = fn(*args, **kwargs)
             key = name(*args) if callable(name) else name
             self.seconds[key] += time.perf_counter() - t0
             return out
@@ -80,12 +81,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--model", default=None, help="a folder or GGUF file (default: the default model)")
     args = ap.parse_args()
     bind_threads(set_threads(args.threads))
     sizes = [int(s) for s in args.seqs.split(",")]
     block_size = 16
     num_blocks = max(sizes) * -(-args.context // block_size) + 1
-    runner = ModelRunner.from_pretrained(None, num_blocks=num_blocks, block_size=block_size, dtype=args.dtype)
+    runner = ModelRunner.from_pretrained(args.model, num_blocks=num_blocks, block_size=block_size,
+                                         dtype=args.dtype)
     print(f"cpu: {cpu_flags()}  kernels: {build.describe()}  ops: {runner.ops.name}  threads "
           f"{torch.get_num_threads()}")
     timers = OpTimers()

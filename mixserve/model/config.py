@@ -31,6 +31,7 @@ class MoeConfig:
     intermediate_size: int
     norm_topk_prob: bool = True  # renormalise the chosen experts' softmax weights to sum to 1
     layers: tuple[bool, ...] = ()  # per layer: True where the MLP is sparse; () = every layer
+    weights_in_model_dtype: bool = False  # Qwen3-MoE rounds the routing weights to the model's dtype (HF)
 
 
 @dataclass(frozen=True)

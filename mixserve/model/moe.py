@@ -14,9 +14,6 @@ from mixserve.model.config import ModelConfig
 from mixserve.model.mlp import MlpWeights, Put, Take, activation_and_mul, param
 from mixserve.model.ops import LayerOps
 
-# HF's Qwen3-MoE router rounds the routing weights to the model's dtype; Mixtral's keeps them in float32.
-_WEIGHTS_IN_MODEL_DTYPE = frozenset({"qwen3_moe"})
-
 
 def route(logits: Tensor, top_k: int, renormalise: bool, weights_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(weights, experts), each (T, top_k), of router logits (T, E) as HF's routers compute them: softmax in
@@ -48,7 +45,7 @@ class SparseMlp(nn.Module):
         e, h, i = moe.num_experts, cfg.hidden_size, moe.intermediate_size
         self.num_experts, self.top_k, self.renormalise = e, moe.top_k, moe.norm_topk_prob
         self.activation = cfg.activation
-        self.weights_dtype = dtype if cfg.family in _WEIGHTS_IN_MODEL_DTYPE else torch.float32
+        self.weights_dtype = dtype if moe.weights_in_model_dtype else torch.float32
         self.gate = param(e, h, dtype=dtype, device=device)
         self.gate_up = param(e, 2 * i, h, dtype=dtype, device=device)
         self.down = param(e, h, i, dtype=dtype, device=device)

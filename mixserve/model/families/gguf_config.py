@@ -105,7 +105,8 @@ def _moe(m: Meta, f: Fields) -> Fields:
         raise ModelLoadError(f"{m.where}: expert gating function {gating} not supported; only softmax (1)")
     moe = MoeConfig(num_experts=int(m.get("expert_count")), top_k=int(m.get("expert_used_count")),
                     intermediate_size=int(m.get("expert_feed_forward_length", f["intermediate_size"])),
-                    norm_topk_prob=bool(m.get("expert_weights_norm", True)))
+                    norm_topk_prob=bool(m.get("expert_weights_norm", True)),
+                    weights_in_model_dtype=f["family"] == "qwen3_moe")
     return {"moe": moe}
 
 

@@ -23,7 +23,8 @@ def _qwen3_moe(raw: Raw, where: str) -> Raw:
     layers = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(n))
     moe = MoeConfig(num_experts=experts, top_k=int(raw["num_experts_per_tok"]),
                     intermediate_size=int(raw["moe_intermediate_size"]),
-                    norm_topk_prob=bool(raw.get("norm_topk_prob", False)), layers=layers)
+                    norm_topk_prob=bool(raw.get("norm_topk_prob", False)), layers=layers,
+                    weights_in_model_dtype=True)
     return {**qwen3_fields(raw, where), "moe": moe if any(layers) else None}  # no sparse layer: dense
 
 

@@ -37,8 +37,8 @@ ItemKernels<T> kernels_for() {
     return k;
 }
 
-// Head dims of the Llama family and its neighbours (32: tiny models, 80: StableLM, 96: Phi-3); null kernels
-// for the rest. A head dim of 80 in bf16 widens to float32 (vdpbf16ps takes pairs of 16-lane halves).
+// Head dims of the Llama family and its neighbours (32: tiny models, 80: StableLM, 96: Phi-3, 256: Gemma);
+// null kernels for the rest. A head dim of 80 in bf16 widens to float32 (vdpbf16ps takes pairs of 16-lane halves).
 template <typename T>
 ItemKernels<T> item_kernels(int64_t head_dim) {
     switch (head_dim) {
@@ -47,6 +47,7 @@ ItemKernels<T> item_kernels(int64_t head_dim) {
         case 80: return kernels_for<T, 80>();
         case 96: return kernels_for<T, 96>();
         case 128: return kernels_for<T, 128>();
+        case 256: return kernels_for<T, 256>();
         default: return {};
     }
 }
