@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixserve.model.ops import LayerOps
@@ -20,18 +19,12 @@ def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def gelu_tanh_and_mul(gate_up: Tensor) -> Tensor:
-    """GeGLU with the tanh approximation (Gemma's gelu_pytorch_tanh)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
-
-
 def activation_and_mul(activation: str, ops: LayerOps) -> Callable[[Tensor], Tensor]:
-    """The gated activation by ModelConfig.activation: the ops' fused SiLU, or GeGLU."""
+    """The gated activation by ModelConfig.activation: the ops' fused SiLU or GeGLU."""
     if activation == "silu":
         return ops.silu_and_mul
     if activation == "gelu_tanh":
-        return gelu_tanh_and_mul
+        return ops.gelu_tanh_and_mul
     raise ValueError(f"unknown MLP activation {activation!r}; supported: silu, gelu_tanh")
 
 

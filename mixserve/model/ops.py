@@ -27,6 +27,12 @@ log = logging.getLogger("mixserve")
 Rotary = tuple[Tensor, ...]  # what `rotary_state` builds once per forward and `rotary` reads in every layer
 
 
+def gelu_tanh_and_mul(gate_up: Tensor) -> Tensor:
+    """GeGLU with the tanh approximation (Gemma's gelu_pytorch_tanh); gate then up along the last dim."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 @dataclass(frozen=True)
 class LayerOps:
     """What a decoder layer calls. `pack` turns a loaded weight into what `linear` takes (once, at load)."""
@@ -43,6 +49,7 @@ class LayerOps:
     # (qk (T, Hq + Hkv, D): q's heads then k's, Hq, state) -> rotated (q, k); the Triton set rotates in place
     rotary: Callable[[Tensor, int, Rotary], tuple[Tensor, Tensor]]
     triton: bool = False  # runs mixserve/kernels: `kernels.set_enabled(False)` later swaps in torch_ops()
+    gelu_tanh_and_mul: Callable[[Tensor], Tensor] = gelu_tanh_and_mul  # Gemma's GeGLU
 
 
 # ---- the torch set ---------------------------------------------------------------------------------------
@@ -185,7 +192,8 @@ def cpu_ops(dtype: torch.dtype) -> LayerOps:
 
     return LayerOps(name=name + "+cpp", pack=pack, linear=linear, rms_norm=layer_ops.rms_norm,
                     add_rms_norm=layer_ops.add_rms_norm, silu_and_mul=layer_ops.silu_and_mul,
-                    rotary_state=_positions_state, rotary=rotary)
+                    rotary_state=_positions_state, rotary=rotary,
+                    gelu_tanh_and_mul=layer_ops.gelu_tanh_and_mul)
 
 
 # ---- the Triton set (CUDA) -------------------------------------------------------------------------------

@@ -50,6 +50,15 @@ def test_silu_and_mul(dtype: torch.dtype, rows: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROWS)
+def test_gelu_tanh_and_mul(dtype: torch.dtype, rows: int) -> None:
+    gate_up = 4 * _randn(rows, 2 * 1536, dtype=dtype, seed=rows + 1)  # gates well into both tails
+    got = layer_ops.gelu_tanh_and_mul(gate_up)
+    torch.testing.assert_close(got, ops.gelu_tanh_and_mul(gate_up), **TOL[dtype])
+    assert not torch.allclose(got, layer_ops.silu_and_mul(gate_up), **TOL[dtype])  # not SiLU by another name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_in_place_on_a_strided_view_at_absolute_positions(dtype: torch.dtype) -> None:
     t, hq, hkv, d = 7, 9, 3, 64
     qkv = _randn(t, (hq + 2 * hkv) * d, dtype=dtype, seed=6)

@@ -48,6 +48,7 @@ SIGNATURES = {
     "mixserve_rms_norm": [_I, _P, _I64, _P, _P, _P, _I64, _I64, _F, _I],
     "mixserve_rotary": [_I, _P] + [_I64] * 5 + [_P, _P, _P, _I],
     "mixserve_silu_and_mul": [_I, _P, _P, _I64, _I64, _I],
+    "mixserve_gelu_tanh_and_mul": [_I, _P, _P, _I64, _I64, _I],
     "mixserve_few_row_panel_width": [],
     "mixserve_few_row_max_rows": [_I, _I64],
     "mixserve_few_row_pack": [_I, _P, _I64, _I64, _P],

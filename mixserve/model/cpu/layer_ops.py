@@ -41,14 +41,23 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
     return out, residual
 
 
-def silu_and_mul(gate_up: Tensor) -> Tensor:
-    """SiLU(gate) * up of a (T, 2I) contiguous tensor holding gate then up: (T, I)."""
+def _act_and_mul(gate_up: Tensor, name: str, what: str) -> Tensor:
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype)
-    rc = load_library().mixserve_silu_and_mul(DTYPE_CODE[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
-                                              rows, inter, torch.get_num_threads())
-    _check(rc, "SiLU-and-mul")
+    rc = getattr(load_library(), name)(DTYPE_CODE[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), rows,
+                                       inter, torch.get_num_threads())
+    _check(rc, what)
     return out
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """SiLU(gate) * up of a (T, 2I) contiguous tensor holding gate then up: (T, I)."""
+    return _act_and_mul(gate_up, "mixserve_silu_and_mul", "SiLU-and-mul")
+
+
+def gelu_tanh_and_mul(gate_up: Tensor) -> Tensor:
+    """GeGLU: tanh-approximated GELU(gate) * up, as silu_and_mul lays them out."""
+    return _act_and_mul(gate_up, "mixserve_gelu_tanh_and_mul", "GELU-and-mul")
 
 
 def rotary_(qk: Tensor, cos: Tensor, sin: Tensor, positions: Tensor) -> None:

@@ -58,9 +58,10 @@ void rotary(T* qk, int64_t stride_t, int64_t stride_h, int64_t rows, int64_t hea
     }
 }
 
-// out (rows, inter) = silu(gate) * up, where gate_up (rows, 2 * inter) holds gate then up.
-template <typename T>
-void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t inter, int num_threads) {
+// out (rows, inter) = act(gate) * up, where gate_up (rows, 2 * inter) holds gate then up; act is SiLU, or
+// with GELU GeGLU's tanh-approximated GELU, written x * sigmoid(2u) = x * (1 + tanh(u)) / 2.
+template <typename T, bool GELU = false>
+void act_and_mul(const T* gate_up, T* out, int64_t rows, int64_t inter, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * inter >= PARALLEL_ELEMENTS)
     for (int64_t t = 0; t < rows; ++t) {
         const T* g = gate_up + t * 2 * inter;
@@ -68,8 +69,10 @@ void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t inter, int num
         T* o = out + t * inter;
         for (int64_t i = 0; i < inter; ++i) {
             const float x = load(g + i);
+            // u = sqrt(2 / pi) * (x + 0.044715 x^3): GELU's tanh argument
+            const float z = GELU ? 1.5957691216057308f * (x + 0.044715f * x * x * x) : x;
             // HF: act(gate) rounded to the dtype, then the product
-            store(o + i, round_to(o, x / (1.f + fast_exp(-x))) * load(u + i));
+            store(o + i, round_to(o, x / (1.f + fast_exp(-z))) * load(u + i));
         }
     }
 }
@@ -130,10 +133,23 @@ int mixserve_rotary(int dtype, void* qk, int64_t stride_t, int64_t stride_h, int
 int mixserve_silu_and_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_t inter,
                           int num_threads) {
     if (dtype == 0)
-        silu_and_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter, num_threads);
+        act_and_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter, num_threads);
     else if (dtype == 1)
-        silu_and_mul(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out), rows, inter,
-                     num_threads);
+        act_and_mul(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out), rows, inter,
+                    num_threads);
+    else
+        return 3;
+    return 0;
+}
+
+int mixserve_gelu_tanh_and_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_t inter,
+                               int num_threads) {
+    if (dtype == 0)
+        act_and_mul<float, true>(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter,
+                                 num_threads);
+    else if (dtype == 1)
+        act_and_mul<uint16_t, true>(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out), rows,
+                                    inter, num_threads);
     else
         return 3;
     return 0;
