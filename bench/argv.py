@@ -1,9 +1,19 @@
-"""What the bench scripts share on the command line: a script's argv handed to a child without its flags."""
+"""What the bench scripts share on the command line: a script's argv handed to a child without its flags,
+and the JSON report each writes where --out says."""
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 from typing import Any
+
+
+def write_report(out: str | Path, report: dict[str, Any]) -> None:
+    """The report as indented JSON at `out` (folders made), and a line saying where."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 def without(argv: list[str], flags: dict[str, int]) -> list[str]:

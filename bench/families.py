@@ -32,6 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from bench.argv import write_report  # noqa: E402
 from bench.floors import cpu_flags, kernels_line  # noqa: E402
 from bench.offline import PEERS, median_runs  # noqa: E402
 from bench.peers_vllm_w import workload_w  # noqa: E402
@@ -289,9 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "parameters": total, "active_parameters": active, "rows": rows}
     if len(families) > 1:
         print("\n".join(["## all families", "", *tables]))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     return 0
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from bench.argv import engine_config, without  # noqa: E402
+from bench.argv import engine_config, without, write_report  # noqa: E402
 from bench.floors import floors, has_fast_bf16, model_config  # noqa: E402
 from bench.offline_run import NUM_REQUESTS, OUTPUT_TOKENS  # noqa: E402
 from mixserve.config import add_engine_flags  # noqa: E402
@@ -200,9 +200,7 @@ def main(argv: list[str] | None = None) -> int:
               "fast_bf16": fast_bf16, "targets": {"mixserve_fp32_vs_hf": TARGET_FP32_VS_HF,
                                                   "mixserve_bf16_vs_fp32": TARGET_BF16_VS_FP32},
               "ratios": ratios, "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     return 0 if rows else 1
 
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import httpx  # noqa: E402
 
-from bench.argv import without  # noqa: E402
+from bench.argv import without, write_report  # noqa: E402
 from mixserve.bench.client import stream_one  # noqa: E402
 from mixserve.bench.report import RequestResult  # noqa: E402
 from mixserve.bench.server import ServerProcess, free_port  # noqa: E402
@@ -218,9 +218,7 @@ def main(argv: list[str] | None = None) -> int:
               "rounds": [{"offline": o, "served": {**sv, **c}} for o, sv, c in rounds],
               "served": {**server, **client}, "ratio_duration": dur, "ratio_period": per,
               "criteria": {"max_step_ratio": MAX_STEP_RATIO, "max_health_p99_s": MAX_HEALTH_P99_S}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     return 0
 
 

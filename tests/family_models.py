@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tests.tiny_model import HIDDEN, INTERMEDIATE, KV_HEADS, MAX_POSITIONS, _hf_tokenizer, _random_model
 
 HEADS = 4
@@ -53,6 +55,14 @@ def family_config(family: str, vocab: int, **overrides: Any):
     if family == "gemma3":
         cfg.architectures = ["Gemma3ForCausalLM"]
     return cfg
+
+
+def hf_models_of(checkpoints: dict[str, Path]) -> dict:
+    """transformers' own fp32 model of each checkpoint folder, by the same keys (the tests' reference)."""
+    from transformers import AutoModelForCausalLM
+
+    return {k: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
+            for k, p in checkpoints.items()}
 
 
 def make_tiny_family(path: str | Path, family: str, *, seed: int = 0, **overrides: Any) -> Path:

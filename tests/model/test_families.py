@@ -13,7 +13,7 @@ from mixserve.config import EngineConfig
 from mixserve.engine import LLMEngine
 from mixserve.engine.llm import LLM
 from mixserve.model.errors import ModelLoadError
-from tests.family_models import make_tiny_family
+from tests.family_models import hf_models_of, make_tiny_family
 from tests.runner.drive import Req, drive, interleaved_tables, max_rel_error
 
 TOL = 2e-3  # of the largest |logit| per row, as the Llama tests take it
@@ -28,10 +28,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def hf_models(checkpoints: dict[str, Path]) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    return {f: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
-            for f, p in checkpoints.items()}
+    return hf_models_of(checkpoints)
 
 
 def run_mixed(runner: ModelRunner, chunk: int, seed: int = 1) -> list[Req]:

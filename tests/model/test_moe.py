@@ -20,6 +20,7 @@ from mixserve.engine.llm import LLM
 from mixserve.model.cpu import few_row_linear
 from mixserve.model.mlp import GatedMlp
 from mixserve.model.moe import SparseMlp, route
+from tests.family_models import hf_models_of
 from tests.model.test_families import assert_equals_hf, run_mixed
 from tests.runner.drive import max_rel_error
 from tests.tiny_model import HIDDEN, INTERMEDIATE, KV_HEADS, MAX_POSITIONS, _hf_tokenizer, _random_model
@@ -63,10 +64,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def hf_models(checkpoints: dict[str, Path]) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    return {m: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
-            for m, p in checkpoints.items()}
+    return hf_models_of(checkpoints)
 
 
 def runner_of(path: Path, **kwargs: Any) -> ModelRunner:

@@ -77,6 +77,20 @@ void act_and_mul(const T* gate_up, T* out, int64_t rows, int64_t inter, int num_
     }
 }
 
+// act_and_mul by dtype code (0 float32, 1 bfloat16); 3 for any other.
+template <bool GELU>
+int act_and_mul_of(int dtype, const void* gate_up, void* out, int64_t rows, int64_t inter, int num_threads) {
+    if (dtype == 0)
+        act_and_mul<float, GELU>(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter,
+                                 num_threads);
+    else if (dtype == 1)
+        act_and_mul<uint16_t, GELU>(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out), rows,
+                                    inter, num_threads);
+    else
+        return 3;
+    return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -132,27 +146,12 @@ int mixserve_rotary(int dtype, void* qk, int64_t stride_t, int64_t stride_h, int
 
 int mixserve_silu_and_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_t inter,
                           int num_threads) {
-    if (dtype == 0)
-        act_and_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter, num_threads);
-    else if (dtype == 1)
-        act_and_mul(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out), rows, inter,
-                    num_threads);
-    else
-        return 3;
-    return 0;
+    return act_and_mul_of<false>(dtype, gate_up, out, rows, inter, num_threads);
 }
 
 int mixserve_gelu_tanh_and_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_t inter,
                                int num_threads) {
-    if (dtype == 0)
-        act_and_mul<float, true>(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter,
-                                 num_threads);
-    else if (dtype == 1)
-        act_and_mul<uint16_t, true>(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out), rows,
-                                    inter, num_threads);
-    else
-        return 3;
-    return 0;
+    return act_and_mul_of<true>(dtype, gate_up, out, rows, inter, num_threads);
 }
 
 }  // extern "C"
