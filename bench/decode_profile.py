@@ -50,7 +50,7 @@ class OpTimers:
 
 def linear_name(x: torch.Tensor, w: object, bias: object) -> str:
     plain = getattr(w, "plain", w)  # ops.PackedWeight / mkl_linear.MklPacked keep the plain weight
-    n = plain.shape[0] if isinstance(plain, torch.Tensor) else "?"
+    n = plain.shape[0] if hasattr(plain, "shape") else "?"  # a tensor or a quantized weight
     return f"linear {x.shape[0]}x{x.shape[1]}x{n}"
 
 
@@ -82,13 +82,14 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--model", default=None, help="a folder or GGUF file (default: the default model)")
+    ap.add_argument("--quantization", default="auto", help="auto | none | int8 ([engine] quantization)")
     args = ap.parse_args()
     bind_threads(set_threads(args.threads))
     sizes = [int(s) for s in args.seqs.split(",")]
     block_size = 16
     num_blocks = max(sizes) * -(-args.context // block_size) + 1
     runner = ModelRunner.from_pretrained(args.model, num_blocks=num_blocks, block_size=block_size,
-                                         dtype=args.dtype)
+                                         dtype=args.dtype, quantization=args.quantization)
     print(f"cpu: {cpu_flags()}  kernels: {build.describe()}  ops: {runner.ops.name}  threads "
           f"{torch.get_num_threads()}")
     timers = OpTimers()

@@ -44,6 +44,7 @@ ENGINE_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "--tensor-parallel-size": ("tensor_parallel_size", int),
     "--device": ("device", str),
     "--dtype": ("dtype", str),
+    "--quantization": ("quantization", str),
     "--seed": ("seed", int),
 }
 

@@ -33,6 +33,7 @@ class EngineConfig:
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str = "auto"  # auto | none | int8 (mixserve/model/quantization.py)
 
 
 @dataclass(frozen=True)

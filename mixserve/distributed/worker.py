@@ -93,7 +93,7 @@ def build_rank(spec: RankSpec, rank: int, loaded: Callable[[], None]) -> Rank:
 
 def _runner(spec: RankSpec, model: DecoderModel, tokenizer: Tokenizer | None, path: Path, plan: ShardPlan,
             group: TensorParallelGroup) -> ModelRunner:
-    device, dtype, local_cfg = model.embed.device, model.embed.dtype, model.config
+    device, dtype, local_cfg = model.device, model.dtype, model.config
     hooks = ShardCollectives(plan, group)
     model.tp = hooks
     for layer in model.layers:

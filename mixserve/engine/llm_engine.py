@@ -120,6 +120,7 @@ class LLMEngine:
                 cpu_kv_cache_gib=cfg.cpu_kv_cache_gib,
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
                 max_num_seqs=cfg.max_num_seqs,  # the largest decode batch a CUDA graph is captured for
+                quantization=cfg.quantization,
             )
 
         # on the CPU on a bound thread of its own that then ends (threads.py: one OpenMP pool at a time);

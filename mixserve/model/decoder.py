@@ -13,6 +13,8 @@ from torch import Tensor, nn
 from mixserve import kernels
 from mixserve.model.attention.base import AttentionBackend, AttentionMetadata
 from mixserve.model.config import ModelConfig, RopeScaling
+from mixserve.model.cpu import quant_linear
+from mixserve.model.cpu.quant_linear import QuantWeight
 from mixserve.model.mlp import GatedMlp, param
 from mixserve.model.ops import LayerOps, Rotary, torch_ops
 from mixserve.model.rope import RotaryTable
@@ -133,7 +135,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
         super().__init__()
         device = torch.device(device)
-        self.config = cfg
+        self.config, self.dtype, self.device = cfg, dtype, device
         self.embed = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
         self.norm = param(cfg.hidden_size, dtype=dtype, device=device)
@@ -147,7 +149,7 @@ class DecoderModel(nn.Module):
     def set_rotary(self, inv_freq: Tensor | None) -> None:
         """The RoPE tables: the config's (or `inv_freq`, a GGUF file's own), and the sliding layers' where
         their base differs (Gemma 3)."""
-        cfg, device, dtype = self.config, self.embed.device, self.embed.dtype
+        cfg, device, dtype = self.config, self.device, self.dtype
         self.rotary = RotaryTable(cfg, device, dtype, inv_freq=inv_freq)
         self.rotaries = [self.rotary]
         if cfg.local_rope_theta is not None:
@@ -178,7 +180,10 @@ class DecoderModel(nn.Module):
         if ops.triton and not kernels.enabled():  # kernels.set_enabled(False) after start-up: eager ops
             ops = torch_ops()
         tp = self.tp
-        hidden = F.embedding(input_ids, self.embed) if tp is None else tp.embed(input_ids, self.embed)
+        if isinstance(self.embed, QuantWeight):  # a token table kept in its blocks (cpu/quant_linear.py)
+            hidden = quant_linear.embedding(input_ids, self.embed, self.dtype)
+        else:
+            hidden = F.embedding(input_ids, self.embed) if tp is None else tp.embed(input_ids, self.embed)
         if cfg.embed_scale != 1.0:  # in the model's dtype, as HF's Gemma scales it
             hidden = hidden * torch.tensor(cfg.embed_scale, dtype=hidden.dtype)
         rots = [ops.rotary_state(table, meta.positions) for table in self.rotaries]

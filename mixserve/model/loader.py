@@ -6,6 +6,7 @@ import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -67,12 +68,14 @@ class LoadedModel:
     tokenizer: Tokenizer
 
 
-def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], torch.Tensor | None]:
-    """(config, HF-named state dict, rope inv_freq override or None) of a resolved checkpoint path."""
+def load_weights(path: Path, keep_blocks: bool = False
+                 ) -> tuple[ModelConfig, dict[str, Any], torch.Tensor | None]:
+    """(config, HF-named state dict, rope inv_freq override or None) of a resolved checkpoint path; with
+    `keep_blocks` a GGUF file's quantized linears stay quantized (gguf_loader.py)."""
     if path.is_file():
         from mixserve.model.gguf_loader import load_gguf
 
-        return load_gguf(path)
+        return load_gguf(path, keep_blocks)
     from mixserve.model.hf_loader import load_hf_folder
 
     cfg, sd = load_hf_folder(path)
@@ -80,14 +83,21 @@ def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], torc
 
 
 def load_model(
-    model: str | Path | None = None, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    model: str | Path | None = None, *, device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32, quantization: str = "none",
 ) -> LoadedModel:
-    """Load weights, build the module on `device` in `dtype`, and load the tokenizer."""
+    """Load weights, build the module on `device` in `dtype`, and load the tokenizer; `quantization` as
+    `[engine] quantization` says (mixserve/model/quantization.py)."""
+    from mixserve.model import quantization as quant
+
     path = resolve_model_path(model)
-    cfg, sd, inv_freq = load_weights(path)
+    mode = quant.resolve(quantization, torch.device(device))
+    cfg, sd, inv_freq = load_weights(path, keep_blocks=mode == "auto")
     module = DecoderModel(cfg, dtype=dtype, device=device)
     module.load_hf_weights(sd, str(path), inv_freq=inv_freq)
     del sd
+    if mode == "int8":
+        quant.quantize_int8(module)
     eos = cfg.eos_token_ids
     if path.is_dir():
         from mixserve.model.hf_loader import generation_eos_ids

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from mixserve.model.ops import LayerOps
 
-Take = Callable[[str], Tensor]  # a checkpoint tensor by name (ModelLoadError when missing)
-Put = Callable[[Tensor, Tensor, str], None]  # copy into a parameter, checking the shape
+if TYPE_CHECKING:
+    from mixserve.model.weights import WeightSource
 
 
 def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -54,8 +54,8 @@ class GatedMlp(nn.Module):
         w = self.packed
         return ops.linear(self.act(ops.linear(x, w.gate_up, None)), w.down, None)
 
-    def load(self, take: Take, put: Put, prefix: str) -> None:
-        """From HF names under `prefix` ("model.layers.N.mlp.")."""
-        put(self.gate_up, torch.cat([take(prefix + "gate_proj.weight"), take(prefix + "up_proj.weight")]),
-            prefix + "gate_up_proj.weight")
-        put(self.down, take(prefix + "down_proj.weight"), prefix + "down_proj.weight")
+    def load(self, src: WeightSource, prefix: str) -> None:
+        """From HF names under `prefix` ("model.layers.N.mlp."); quantized weights stay quantized."""
+        src.put_linear(self, "gate_up", src.rows([prefix + "gate_proj.weight", prefix + "up_proj.weight"]),
+                       prefix + "gate_up_proj.weight")
+        src.put_linear(self, "down", src.raw(prefix + "down_proj.weight"), prefix + "down_proj.weight")

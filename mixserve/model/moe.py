@@ -5,14 +5,17 @@ through the ops' packed linears (on a CPU the prepacked GEMMs, and the few-row k
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from mixserve.model.config import ModelConfig
-from mixserve.model.mlp import MlpWeights, Put, Take, activation_and_mul, param
+from mixserve.model.mlp import MlpWeights, activation_and_mul, param
 from mixserve.model.ops import LayerOps
+
+if TYPE_CHECKING:
+    from mixserve.model.weights import WeightSource
 
 
 def route(logits: Tensor, top_k: int, renormalise: bool, weights_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -98,9 +101,10 @@ class SparseMlp(nn.Module):
         y = torch.bmm(act, self.down.transpose(1, 2))  # (E, T, hidden)
         return (y * dense.t().unsqueeze(-1)).sum(0).to(x.dtype)
 
-    def load(self, take: Take, put: Put, prefix: str) -> None:
+    def load(self, src: WeightSource, prefix: str) -> None:
         """From the canonical names under `prefix` ("model.layers.N.mlp."): gate.weight (the router) and
         experts.J.{gate,up,down}_proj.weight (families/moe.py renames and splits the others' into these)."""
+        take, put = src.take, src.put  # the experts load dequantized: their kernels are float ones
         put(self.gate, take(prefix + "gate.weight"), prefix + "gate.weight")
         for j in range(self.num_experts):
             p = f"{prefix}experts.{j}."

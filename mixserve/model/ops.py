@@ -88,10 +88,27 @@ def _identity(w: Tensor) -> Tensor:
     return w
 
 
+def _reads_quantized(pack: Callable[[Tensor], Any], linear: Callable[[Tensor, Any, Tensor | None], Tensor]
+                     ) -> tuple[Callable[[Any], Any], Callable[[Tensor, Any, Tensor | None], Tensor]]:
+    """`pack` and `linear` that pass quantized weights (cpu/quant_linear.py) to their own kernels."""
+    from mixserve.model.cpu import quant_linear
+
+    def q_pack(w: Any) -> Any:
+        return w if isinstance(w, quant_linear.QuantWeight) else pack(w)
+
+    def q_linear(x: Tensor, w: Any, bias: Tensor | None) -> Tensor:
+        if isinstance(w, quant_linear.QuantWeight):
+            return quant_linear.linear(x, w, bias)
+        return linear(x, w, bias)
+
+    return q_pack, q_linear
+
+
 @functools.cache
 def torch_ops() -> LayerOps:
     """Plain PyTorch: F.linear on the loaded weights. The reference, and what fp16 on a CPU runs."""
-    return LayerOps(name="torch", pack=_identity, linear=F.linear, rms_norm=rms_norm,
+    pack, linear = _reads_quantized(_identity, F.linear)
+    return LayerOps(name="torch", pack=pack, linear=linear, rms_norm=rms_norm,
                     add_rms_norm=add_rms_norm, silu_and_mul=silu_and_mul, rotary_state=_lookup,
                     rotary=_rotary)
 
@@ -172,7 +189,7 @@ def cpu_ops(dtype: torch.dtype) -> LayerOps:
     from mixserve.model.cpu.build import available
 
     why_not = available()  # builds the C++ kernels on first use (~15 s once per machine)
-    if why_not is not None:
+    if why_not is not None:  # no quantized weights either: quantization.resolve loads them unquantized
         log.warning("CPU layer ops run as eager PyTorch (slower): %s", why_not)
         return LayerOps(name=name, pack=pack, linear=linear, rms_norm=rms_norm,
                         add_rms_norm=add_rms_norm, silu_and_mul=silu_and_mul, rotary_state=_lookup,
@@ -190,6 +207,7 @@ def cpu_ops(dtype: torch.dtype) -> LayerOps:
         layer_ops.rotary_(qk, cos, sin, positions)
         return qk[:, :num_q_heads], qk[:, num_q_heads:]
 
+    pack, linear = _reads_quantized(pack, linear)
     return LayerOps(name=name + "+cpp", pack=pack, linear=linear, rms_norm=layer_ops.rms_norm,
                     add_rms_norm=layer_ops.add_rms_norm, silu_and_mul=layer_ops.silu_and_mul,
                     rotary_state=_positions_state, rotary=rotary,

@@ -64,8 +64,8 @@ class ModelRunner:
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.device: torch.device = model.embed.device
-        self.dtype: torch.dtype = model.embed.dtype
+        self.device: torch.device = model.device
+        self.dtype: torch.dtype = model.dtype
         self.max_model_len: int = self.config.max_position_embeddings
         self.model_name = model_name
         self.path = path
@@ -113,12 +113,13 @@ class ModelRunner:
         gpu_memory_utilization: float = 0.9,
         cuda_graphs: bool = True,
         max_num_seqs: int = 256,
+        quantization: str = "none",
     ) -> ModelRunner:
         """Load a GGUF file or HF folder (None: the default model) and allocate `num_blocks` KV blocks.
 
         num_blocks=0 sizes the cache from memory: `cpu_kv_cache_gib` on the CPU, `gpu_memory_utilization` of
         the GPU. On CUDA, decode-only steps of up to `max_num_seqs` sequences replay CUDA graphs
-        (`cuda_graphs=False` runs every step eagerly)."""
+        (`cuda_graphs=False` runs every step eagerly). `quantization`: model/quantization.py."""
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         if num_blocks < 0:
@@ -126,7 +127,7 @@ class ModelRunner:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         attention = get_backend(attention_backend, dev, dt)
-        loaded = load_model(model, device=dev, dtype=dt)
+        loaded = load_model(model, device=dev, dtype=dt, quantization=quantization)
         if num_blocks == 0:
             num_blocks = num_blocks_for_memory(loaded.config, block_size, dt, dev, cpu_kv_cache_gib,
                                                gpu_memory_utilization)

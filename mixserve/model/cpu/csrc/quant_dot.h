@@ -1,0 +1,160 @@
+// Few-row products of the 32-element block formats (Q4_0, Q4_1, Q8_0) as integer dot products, as llama.cpp
+// computes them: each input row is quantized once per call to int8 in blocks of 32 (a scale per block), and
+// a weight block's 32 quants meet the input block's 32 in one u8 x s8 dot (AVX512-VNNI's vpdpbusd on 256 bits,
+// else AVX2's vpmaddubsw + vpmaddwd): 32 products an instruction or two, where float32 needs 4-8 FMAs plus the
+// conversions. The float sums then take each block's two scales. The input's rounding to int8 is the cost
+// in accuracy: docs/decisions/quantized-weights-in-place.md measures it against the float path.
+#pragma once
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "quant_blocks.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define MIXSERVE_QUANT_DOT 1
+
+namespace mixserve {
+
+// An input row in blocks of 32: q (int8), d (its scale: x ~ d q) and s = d * sum(q), which Q4_1's minimum and
+// Q4_0's offset of 8 multiply.
+struct RowQ8 {
+    const int8_t* q;
+    const float* d;
+    const float* s;
+};
+
+inline void quantize_row_q8(const float* x, int64_t k, int8_t* q, float* d, float* s) {
+    for (int64_t b = 0; b < k / 32; ++b, x += 32, q += 32) {
+        __m256 v[4], amax = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (int i = 0; i < 4; ++i) {
+            v[i] = _mm256_loadu_ps(x + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float a = _mm_cvtss_f32(m);
+        d[b] = a / 127.f;
+        const __m256 inv = _mm256_set1_ps(a > 0 ? 127.f / a : 0.f);
+        __m256i i32[4];
+        for (int i = 0; i < 4; ++i)  // round to nearest (the default rounding mode), |q| <= 127
+            i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+        // pack 32 int32 -> 32 int8 in order: packs interleave the 128-bit lanes, the permute undoes it
+        const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
+        const __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b),
+                                                        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), i8);
+        const __m256i sum16 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), i8),
+                                                _mm256_set1_epi16(1));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum16), _mm256_extracti128_si256(sum16, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+        s[b] = d[b] * static_cast<float>(_mm_cvtsi128_si32(t));
+    }
+}
+
+// The 32 products u (unsigned bytes) x v (signed), summed in fours: 8 int32.
+inline __m256i dot_u8s8(__m256i u, __m256i v) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
+#else  // no pair exceeds int16: |u| <= 128 (Q8_0's magnitudes), |v| <= 127
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+#endif
+}
+
+inline __m256i nibbles_u8(const uint8_t* p) {  // 16 bytes -> 32 quants: low nibbles then high nibbles
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+}
+
+// 32 bits -> 32 bytes, 16 where the bit is set (the fifth bits of Q5_0 / Q5_1), as llama.cpp expands them.
+inline __m256i fifth_bits_u8(const uint8_t* p) {
+    uint32_t bits;
+    memcpy(&bits, p, sizeof bits);
+    const __m256i spread = _mm256_shuffle_epi8(  // byte j <- byte j / 8 of the bits
+        _mm256_set1_epi32(static_cast<int>(bits)),
+        _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                          _mm256_set1_epi64x(-1));
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
+// A weight block as the dot takes it: its quants as unsigned bytes (Q8_0: their magnitudes, `sign` the
+// quants whose signs the input takes on), its scale, and the term the input block's s multiplies.
+struct WeightBlock {
+    __m256i u, sign;
+    float scale, min;
+    bool signed_q;
+};
+
+template <int TYPE>
+inline WeightBlock weight_block(const uint8_t* w) {
+    if constexpr (TYPE == Q4_0) {
+        const float d = half_to_float(read_half(w));
+        return {nibbles_u8(w + 2), __m256i{}, d, -8.f * d, false};  // d (q - 8): 8 d times the input's sum
+    } else if constexpr (TYPE == Q4_1) {
+        return {nibbles_u8(w + 4), __m256i{}, half_to_float(read_half(w)), half_to_float(read_half(w + 2)),
+                false};
+    } else if constexpr (TYPE == Q5_0) {
+        const float d = half_to_float(read_half(w));
+        return {_mm256_or_si256(nibbles_u8(w + 6), fifth_bits_u8(w + 2)), __m256i{}, d, -16.f * d, false};
+    } else if constexpr (TYPE == Q5_1) {
+        return {_mm256_or_si256(nibbles_u8(w + 8), fifth_bits_u8(w + 4)), __m256i{}, half_to_float(read_half(w)),
+                half_to_float(read_half(w + 2)), false};
+    } else {  // Q8_0: signed x signed as |w| x (x with w's sign)
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
+        return {_mm256_sign_epi8(q, q), q, half_to_float(read_half(w)), 0.f, true};
+    }
+}
+
+template <int TYPE>
+inline __m256i block_dot(const WeightBlock& wb, const int8_t* xq) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+    if constexpr (TYPE == Q8_0) return dot_u8s8(wb.u, _mm256_sign_epi8(x, wb.sign));
+    return dot_u8s8(wb.u, x);
+}
+
+inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// sums[c][r] for COLS weight rows (w + c * row_bytes) and ROWS quantized input rows, over nb blocks.
+#ifndef PREFETCH_ROWS_OVERRIDE
+constexpr int PREFETCH_ROWS = 8;
+#else
+constexpr int PREFETCH_ROWS = PREFETCH_ROWS_OVERRIDE;
+#endif
+
+template <int TYPE, int COLS, int ROWS>
+void dot_q8_pass(const uint8_t* w, int64_t row_bytes, int cols, const RowQ8* x, int64_t nb, float (*sums)[4]) {
+    const int bb = block_bytes(TYPE);
+    __m256 acc[COLS][ROWS];
+    float mins[COLS][ROWS] = {};
+    for (int c = 0; c < COLS; ++c)
+        for (int r = 0; r < ROWS; ++r) acc[c][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        for (int c = 0; c < COLS; ++c) {
+            if (c >= cols) break;
+            const uint8_t* blk = w + c * row_bytes + b * bb;
+            // the rows PREFETCH_ROWS ahead: one stream a thread does not keep the memory busy on its own
+            _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
+            const WeightBlock wb = weight_block<TYPE>(blk);
+            for (int r = 0; r < ROWS; ++r) {
+                const __m256 dot = _mm256_cvtepi32_ps(block_dot<TYPE>(wb, x[r].q + 32 * b));
+                acc[c][r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(wb.scale * x[r].d[b]), acc[c][r]);
+                mins[c][r] += wb.min * x[r].s[b];
+            }
+        }
+    }
+    for (int c = 0; c < cols; ++c)
+        for (int r = 0; r < ROWS; ++r) sums[c][r] = hsum8(acc[c][r]) + mins[c][r];
+}
+
+}  // namespace mixserve
+
+#endif  // AVX2 + FMA + F16C

@@ -1,0 +1,100 @@
+// Few-row products of the 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) in float32, each block
+// decoded in registers and multiplied there: no decoded copy goes through memory. The products are those of
+// dequantize-then-matmul (float32 rounding aside), so a decode step's logits equal a whole prefill's.
+#pragma once
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "few_row_simd.h"
+#include "quant_dot.h"
+
+#if defined(MIXSERVE_QUANT_DOT) && defined(MIXSERVE_FEW_ROW_SIMD)
+#define MIXSERVE_QUANT_FUSED 1
+
+namespace mixserve {
+
+// A block's quants as two vectors of 16 bytes (elements 0-15, 16-31), unsigned or (Q8_0) signed, and the
+// affine that makes weights of them: w = d q + m.
+struct Block32 {
+    __m128i lo, hi;
+    float d, m;
+};
+
+template <int TYPE>
+inline Block32 block32(const uint8_t* b) {
+    if constexpr (TYPE == Q8_0) {
+        return {load16(b + 2), load16(b + 18), half_to_float(read_half(b)), 0.f};
+    } else {
+        const float d = half_to_float(read_half(b));
+        const float m = TYPE == Q4_0 ? -8 * d : TYPE == Q5_0 ? -16 * d : half_to_float(read_half(b + 2));
+        constexpr int nib = TYPE == Q4_0 ? 2 : TYPE == Q4_1 ? 4 : TYPE == Q5_0 ? 6 : 8;
+        const __m128i q = load16(b + nib);
+        __m128i lo = low_nibbles(q), hi = high_nibbles(q);
+        if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
+            const __m256i fifth = fifth_bits_u8(b + (TYPE == Q5_0 ? 2 : 4));
+            lo = _mm_or_si128(lo, _mm256_castsi256_si128(fifth));
+            hi = _mm_or_si128(hi, _mm256_extracti128_si256(fifth, 1));
+        }
+        return {lo, hi, d, m};
+    }
+}
+
+constexpr int V16 = 16 / LANES;  // vectors of 16 floats
+
+// 16 quants -> 16 weights d q + m, as V16 vectors
+template <bool SIGNED>
+inline void weights16(__m128i q, Vf d, Vf m, Vf* w) {
+#if defined(__AVX512F__)
+    const __m512i i = SIGNED ? _mm512_cvtepi8_epi32(q) : _mm512_cvtepu8_epi32(q);
+    w[0] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(i), m);
+#else
+    const __m128i up = _mm_srli_si128(q, 8);
+    const __m256i a = SIGNED ? _mm256_cvtepi8_epi32(q) : _mm256_cvtepu8_epi32(q);
+    const __m256i b = SIGNED ? _mm256_cvtepi8_epi32(up) : _mm256_cvtepu8_epi32(up);
+    w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(a), m);
+    w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(b), m);
+#endif
+}
+
+#if defined(__AVX512F__)
+constexpr int FUSED_ROWS = 4;  // sums: 2 columns x ROWS x 2 halves in 32 registers
+inline float fused_hsum(Vf v) { return _mm512_reduce_add_ps(v); }
+#else
+constexpr int FUSED_ROWS = 2;  // in AVX2's 16 registers
+inline float fused_hsum(Vf v) { return hsum8(v); }
+#endif
+
+// sums[c][r] = dot(w row c, x row r) over nb blocks, for 2 weight rows (cols of them real) and ROWS inputs.
+template <int TYPE, int ROWS>
+void fused_pass(const uint8_t* w, int64_t row_bytes, int cols, const float* x, int64_t ldx, int64_t nb,
+                float (*sums)[4]) {
+    constexpr int COLS2 = 2, BB = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : TYPE == Q5_0 ? 22 : TYPE == Q5_1 ? 24 : 34;
+    Vf acc[COLS2][ROWS][2];  // the two halves of a block sum apart: twice the chains of FMAs in flight
+    for (int c = 0; c < COLS2; ++c)
+        for (int r = 0; r < ROWS; ++r) acc[c][r][0] = acc[c][r][1] = vzero();
+    for (int64_t b = 0; b < nb; ++b) {
+        for (int c = 0; c < COLS2; ++c) {
+            if (c >= cols) break;
+            const uint8_t* blk = w + c * row_bytes + b * BB;
+            _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
+            const Block32 q = block32<TYPE>(blk);
+            const Vf d = vbroadcast(q.d), m = vbroadcast(q.m);
+            Vf lo[V16], hi[V16];
+            weights16<TYPE == Q8_0>(q.lo, d, m, lo);
+            weights16<TYPE == Q8_0>(q.hi, d, m, hi);
+            for (int r = 0; r < ROWS; ++r) {
+                const float* xr = x + r * ldx + 32 * b;
+                for (int v = 0; v < V16; ++v) {
+                    acc[c][r][0] = vfmadd(lo[v], vload(xr + LANES * v), acc[c][r][0]);
+                    acc[c][r][1] = vfmadd(hi[v], vload(xr + 16 + LANES * v), acc[c][r][1]);
+                }
+            }
+        }
+    }
+    for (int c = 0; c < cols; ++c)
+        for (int r = 0; r < ROWS; ++r) sums[c][r] = fused_hsum(vadd(acc[c][r][0], acc[c][r][1]));
+}
+
+}  // namespace mixserve
+
+#endif

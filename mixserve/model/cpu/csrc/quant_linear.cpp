@@ -1,0 +1,274 @@
+// Linears on quantized weights read in place (GGUF blocks, int8 per channel): out = x @ w.T + bias for few
+// rows, and rows of w decoded to float32 (the embedding lookup, and the tiles the packed GEMM takes for
+// prefill chunks: mixserve/model/cpu/quant_linear.py).
+//
+// A decode step is bound by the bytes it reads, so the weight stays in its blocks: a thread walks its own run
+// of output columns (rows of w, contiguous in the file), prefetching the rows ahead. The 32-element formats
+// decode each block in registers and multiply it there (quant_fused.h); the others (K-quants, int8 per
+// channel) decode COLS rows into float32 in L1 and dot them with every input row from there. Either way the
+// products are float32 on the decoded weights, so the result equals dequantize-then-matmul up to float32
+// rounding. The integer-dot product on int8-rounded inputs (quant_dot.h, llama.cpp's way) is kept beside them
+// for measurement: docs/decisions/quantized-weights-in-place.md says why it is not the default.
+#include <omp.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "few_row_simd.h"
+#include "quant_blocks.h"
+#include "quant_dot.h"
+#include "quant_fused.h"
+
+using mixserve::block_bytes;
+using mixserve::block_elems;
+using mixserve::decode_row;
+
+namespace {
+
+constexpr int COLS = 4;  // weight rows decoded and dotted together: 4 chains of sums even for one input row
+constexpr int PREFETCH_GROUPS = 2;  // how many groups of COLS rows ahead the float path prefetches
+
+#ifdef MIXSERVE_FEW_ROW_SIMD
+#if defined(__AVX512F__)
+inline float vsum(Vf v) { return _mm512_reduce_add_ps(v); }
+#else
+inline float vsum(Vf v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#endif
+// Input rows a pass keeps sums for: COLS x ROWS vectors, COLS weight loads and one input load beside them
+constexpr int MAX_PASS_ROWS = VREGS >= 32 ? 4 : 2;
+#else
+constexpr int MAX_PASS_ROWS = 4;
+#endif
+
+// sums[c][r] = dot(w[c], x[r]) over k, for `cols` decoded weight rows (stride k) and ROWS input rows.
+template <int ROWS>
+void dot_pass(const float* w, int cols, const float* x, int64_t ldx, int64_t k, float (*sums)[MAX_PASS_ROWS]) {
+    int64_t i = 0;
+#ifdef MIXSERVE_FEW_ROW_SIMD
+    Vf acc[COLS][ROWS];
+    for (int c = 0; c < COLS; ++c)
+        for (int r = 0; r < ROWS; ++r) acc[c][r] = vzero();
+    for (; i + LANES <= k; i += LANES) {
+        Vf xv[ROWS];
+        for (int r = 0; r < ROWS; ++r) xv[r] = vload(x + r * ldx + i);
+        for (int c = 0; c < COLS; ++c) {
+            const Vf wv = vload(w + c * k + i);  // rows past `cols` are zeros: decoded so by the caller
+            for (int r = 0; r < ROWS; ++r) acc[c][r] = vfmadd(wv, xv[r], acc[c][r]);
+        }
+    }
+    for (int c = 0; c < cols; ++c)
+        for (int r = 0; r < ROWS; ++r) sums[c][r] = vsum(acc[c][r]);
+#else
+    for (int c = 0; c < cols; ++c)
+        for (int r = 0; r < ROWS; ++r) sums[c][r] = 0.f;
+#endif
+    for (; i < k; ++i)  // the tail of an int8 row whose k is not a multiple of the vector
+        for (int c = 0; c < cols; ++c)
+            for (int r = 0; r < ROWS; ++r) sums[c][r] += w[c * k + i] * x[r * ldx + i];
+}
+
+void dot_rows(int rows, const float* w, int cols, const float* x, int64_t ldx, int64_t k,
+              float (*sums)[MAX_PASS_ROWS]) {
+    switch (rows) {
+        case 1: return dot_pass<1>(w, cols, x, ldx, k, sums);
+#if MAX_PASS_ROWS > 2
+        case 2: return dot_pass<2>(w, cols, x, ldx, k, sums);
+        case 3: return dot_pass<3>(w, cols, x, ldx, k, sums);
+#endif
+        default: return dot_pass<MAX_PASS_ROWS>(w, cols, x, ldx, k, sums);
+    }
+}
+
+#ifdef MIXSERVE_QUANT_DOT
+bool int8_dot_type(int type) {
+    return type == mixserve::Q4_0 || type == mixserve::Q4_1 || type == mixserve::Q5_0 || type == mixserve::Q5_1 ||
+           type == mixserve::Q8_0;
+}
+
+template <int TYPE, int COLS2>
+void q8_rows_of(int rows, const uint8_t* w, int64_t row_bytes, int cols, const mixserve::RowQ8* x, int64_t nb,
+                float (*sums)[4]) {
+    switch (rows) {
+        case 1: return mixserve::dot_q8_pass<TYPE, COLS2, 1>(w, row_bytes, cols, x, nb, sums);
+        case 2: return mixserve::dot_q8_pass<TYPE, COLS2, 2>(w, row_bytes, cols, x, nb, sums);
+        case 3: return mixserve::dot_q8_pass<TYPE, COLS2, 3>(w, row_bytes, cols, x, nb, sums);
+        default: return mixserve::dot_q8_pass<TYPE, COLS2, 4>(w, row_bytes, cols, x, nb, sums);
+    }
+}
+
+template <int COLS2>
+void q8_rows(int rows, int type, const uint8_t* w, int64_t row_bytes, int cols, const mixserve::RowQ8* x,
+             int64_t nb, float (*sums)[4]) {
+    switch (type) {
+        case mixserve::Q4_0: return q8_rows_of<mixserve::Q4_0, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
+        case mixserve::Q4_1: return q8_rows_of<mixserve::Q4_1, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
+        case mixserve::Q5_0: return q8_rows_of<mixserve::Q5_0, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
+        case mixserve::Q5_1: return q8_rows_of<mixserve::Q5_1, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
+        default: return q8_rows_of<mixserve::Q8_0, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
+    }
+}
+
+// The integer-dot product (quant_dot.h): the input rows quantized once, then columns in pairs, rows in fours.
+void linear_int8_dot(int type, const float* x, int64_t ldx, int64_t m, const uint8_t* w, int64_t row_bytes,
+                     int64_t n, int64_t k, const float* bias, float* out, int64_t ldo, int num_threads) {
+    constexpr int PAIR = 2;
+    const int64_t nb = k / 32;
+    std::vector<int8_t> xq(m * k);
+    std::vector<float> xd(m * nb), xs(m * nb);
+    std::vector<mixserve::RowQ8> rows(m);
+    for (int64_t r = 0; r < m; ++r) {
+        mixserve::quantize_row_q8(x + r * ldx, k, xq.data() + r * k, xd.data() + r * nb, xs.data() + r * nb);
+        rows[r] = {xq.data() + r * k, xd.data() + r * nb, xs.data() + r * nb};
+    }
+    const int64_t groups = (n + PAIR - 1) / PAIR;
+#pragma omp parallel num_threads(num_threads) if (groups >= 8 * num_threads)
+    {
+        float sums[4][4];
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int64_t g = groups * t / nt; g < groups * (t + 1) / nt; ++g) {
+            const int64_t j0 = g * PAIR;
+            const int cols = static_cast<int>(std::min<int64_t>(PAIR, n - j0));
+            for (int64_t r0 = 0; r0 < m; r0 += 4) {
+                const int rn = static_cast<int>(std::min<int64_t>(4, m - r0));
+                q8_rows<PAIR>(rn, type, w + j0 * row_bytes, row_bytes, cols, rows.data() + r0, nb, sums);
+                for (int c = 0; c < cols; ++c)
+                    for (int r = 0; r < rn; ++r)
+                        out[(r0 + r) * ldo + j0 + c] = sums[c][r] + (bias ? bias[j0 + c] : 0.f);
+            }
+        }
+    }
+}
+#endif
+
+#ifdef MIXSERVE_QUANT_FUSED
+template <int TYPE>
+void fused_rows_of(int rows, const uint8_t* w, int64_t row_bytes, int cols, const float* x, int64_t ldx,
+                   int64_t nb, float (*sums)[4]) {
+    switch (rows) {
+        case 1: return mixserve::fused_pass<TYPE, 1>(w, row_bytes, cols, x, ldx, nb, sums);
+#if defined(__AVX512F__)  // FUSED_ROWS is 4 there, 2 on AVX2
+        case 2: return mixserve::fused_pass<TYPE, 2>(w, row_bytes, cols, x, ldx, nb, sums);
+        case 3: return mixserve::fused_pass<TYPE, 3>(w, row_bytes, cols, x, ldx, nb, sums);
+#endif
+        default: return mixserve::fused_pass<TYPE, mixserve::FUSED_ROWS>(w, row_bytes, cols, x, ldx, nb, sums);
+    }
+}
+
+// The float32 product with each block decoded in registers (quant_fused.h): columns in pairs.
+void linear_fused(int type, const float* x, int64_t ldx, int64_t m, const uint8_t* w, int64_t row_bytes,
+                  int64_t n, int64_t k, const float* bias, float* out, int64_t ldo, int num_threads) {
+    constexpr int PAIR = 2, R = mixserve::FUSED_ROWS;
+    const int64_t nb = k / 32, groups = (n + PAIR - 1) / PAIR;
+#pragma omp parallel num_threads(num_threads) if (groups >= 8 * num_threads)
+    {
+        float sums[4][4];
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int64_t g = groups * t / nt; g < groups * (t + 1) / nt; ++g) {
+            const int64_t j0 = g * PAIR;
+            const int cols = static_cast<int>(std::min<int64_t>(PAIR, n - j0));
+            for (int64_t r0 = 0; r0 < m; r0 += R) {
+                const int rn = static_cast<int>(std::min<int64_t>(R, m - r0));
+                const uint8_t* wj = w + j0 * row_bytes;
+                const float* xr = x + r0 * ldx;
+                switch (type) {
+                    case mixserve::Q4_0: fused_rows_of<mixserve::Q4_0>(rn, wj, row_bytes, cols, xr, ldx, nb, sums); break;
+                    case mixserve::Q4_1: fused_rows_of<mixserve::Q4_1>(rn, wj, row_bytes, cols, xr, ldx, nb, sums); break;
+                    case mixserve::Q5_0: fused_rows_of<mixserve::Q5_0>(rn, wj, row_bytes, cols, xr, ldx, nb, sums); break;
+                    case mixserve::Q5_1: fused_rows_of<mixserve::Q5_1>(rn, wj, row_bytes, cols, xr, ldx, nb, sums); break;
+                    default: fused_rows_of<mixserve::Q8_0>(rn, wj, row_bytes, cols, xr, ldx, nb, sums); break;
+                }
+                for (int c = 0; c < cols; ++c)
+                    for (int r = 0; r < rn; ++r)
+                        out[(r0 + r) * ldo + j0 + c] = sums[c][r] + (bias ? bias[j0 + c] : 0.f);
+            }
+        }
+    }
+}
+#endif
+
+// Where a type's rows can be read: k a whole number of blocks (INT8_ROW: scales present).
+bool valid(int type, int64_t k, const float* scales) {
+    const int be = block_elems(type);
+    if (be == 0 || k <= 0 || k % be != 0) return false;
+    return type != mixserve::INT8_ROW || scales != nullptr;
+}
+
+}  // namespace
+
+extern "C" {
+
+// out[r, j] = sum_i x[r, i] w[j, i] (+ bias[j]) for r < m, j < n; w's row j is `row_bytes` bytes of blocks
+// from data + j * row_bytes. x, out float32 with row strides ldx, ldo. 0, or 1 for a type/k it cannot read.
+// int8_inputs: for Q4_0 / Q4_1 / Q8_0, the integer-dot product on the inputs rounded to int8 (quant_dot.h);
+// else (and for every other format) float32 products on the decoded weights.
+int mixserve_quant_linear(int type, const float* x, int64_t ldx, int64_t m, const void* data, int64_t row_bytes,
+                          int64_t n, int64_t k, const float* scales, const float* bias, float* out, int64_t ldo,
+                          int int8_inputs, int num_threads) {
+    if (!valid(type, k, scales)) return 1;
+    const uint8_t* w = static_cast<const uint8_t*>(data);
+#ifdef MIXSERVE_QUANT_DOT
+    if (int8_inputs && int8_dot_type(type)) {
+        linear_int8_dot(type, x, ldx, m, w, row_bytes, n, k, bias, out, ldo, num_threads);
+        return 0;
+    }
+#endif
+#ifdef MIXSERVE_QUANT_FUSED
+    if (int8_dot_type(type)) {  // the same 32-element formats
+        linear_fused(type, x, ldx, m, w, row_bytes, n, k, bias, out, ldo, num_threads);
+        return 0;
+    }
+#endif
+    const int64_t groups = (n + COLS - 1) / COLS;
+#pragma omp parallel num_threads(num_threads) if (groups >= 4 * num_threads)
+    {
+        std::vector<float> decoded(COLS * k);
+        float sums[COLS][MAX_PASS_ROWS];
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int64_t g = groups * t / nt; g < groups * (t + 1) / nt; ++g) {  // contiguous: one stream a thread
+            const int64_t j0 = g * COLS;
+            const int cols = static_cast<int>(std::min<int64_t>(COLS, n - j0));
+            // the next groups' rows into L1 while this one computes: one stream a thread does not keep the
+            // memory busy on its own
+            const int64_t ahead = std::min<int64_t>(n, j0 + (PREFETCH_GROUPS + 1) * COLS);
+            for (int64_t j = j0 + PREFETCH_GROUPS * COLS; j < ahead; ++j)
+                for (int64_t off = 0; off < row_bytes; off += 64)
+                    _mm_prefetch(reinterpret_cast<const char*>(w + j * row_bytes + off), _MM_HINT_T0);
+            for (int c = 0; c < COLS; ++c) {
+                if (c < cols)
+                    decode_row(type, w + (j0 + c) * row_bytes, k, scales ? scales[j0 + c] : 1.f,
+                               decoded.data() + c * k);
+                else
+                    std::fill_n(decoded.data() + c * k, k, 0.f);
+            }
+            for (int64_t r0 = 0; r0 < m; r0 += MAX_PASS_ROWS) {
+                const int rows = static_cast<int>(std::min<int64_t>(MAX_PASS_ROWS, m - r0));
+                dot_rows(rows, decoded.data(), cols, x + r0 * ldx, ldx, k, sums);
+                for (int c = 0; c < cols; ++c)
+                    for (int r = 0; r < rows; ++r)
+                        out[(r0 + r) * ldo + j0 + c] = sums[c][r] + (bias ? bias[j0 + c] : 0.f);
+            }
+        }
+    }
+    return 0;
+}
+
+// out[i, :] = w's row ids[i] (ids null: row first + i) decoded to float32, for i < count; out's row stride ldo.
+int mixserve_quant_decode_rows(int type, const void* data, int64_t row_bytes, int64_t k, const float* scales,
+                               const int64_t* ids, int64_t first, int64_t count, float* out, int64_t ldo,
+                               int num_threads) {
+    if (!valid(type, k, scales)) return 1;
+    const uint8_t* w = static_cast<const uint8_t*>(data);
+#pragma omp parallel for num_threads(num_threads) if (count * k >= (1 << 16)) schedule(static)
+    for (int64_t i = 0; i < count; ++i) {
+        const int64_t j = ids ? ids[i] : first + i;
+        decode_row(type, w + j * row_bytes, k, scales ? scales[j] : 1.f, out + i * ldo);
+    }
+    return 0;
+}
+
+}  // extern "C"

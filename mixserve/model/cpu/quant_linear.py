@@ -1,0 +1,225 @@
+"""Quantized weights kept as they are stored, and the linears and embedding lookups that read them in place.
+
+A `QuantWeight` is an (n, k) weight as rows of blocks: GGUF's formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K,
+a view of the file's memory map where nothing had to move) or int8 per output channel with float32 scales.
+Few rows (decode steps) run csrc/quant_linear.cpp on the blocks; more rows (prefill chunks) decode tiles of
+the weight to float32 and run torch's GEMM on them: there the GEMM's compute, not the bytes, is the cost.
+docs/decisions/quantized-weights-in-place.md has the measurements behind both and the row threshold.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mixserve.model.cpu.build import KernelBuildError, load_library
+
+INT8_ROW = 100  # our int8 per output channel (not a ggml type): a row is k int8 values, its scale beside
+# ggml type id -> (name, elements per block, bytes per block) of the formats the kernels read
+FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
+           8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
+           13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), INT8_ROW: ("int8", 1, 1)}
+FEW_ROWS = 16  # up to this many rows the block kernel; above, decoded tiles and the GEMM
+# True: the 32-element formats' few-row products as integer dots on inputs rounded to int8 per block of 32,
+# as llama.cpp does (csrc/quant_dot.h). False (kept): float32 products on the decoded weights, as fast here
+# and exact, so greedy output equals `none`'s (docs/decisions/quantized-weights-in-place.md)
+INT8_INPUTS = False
+_TILE_ELEMS = 1 << 22  # float32 elements of weight decoded at a time for the GEMM path (16 MiB)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantSegment:
+    """Consecutive output rows of one format: data (rows, row_bytes) uint8, scales (rows,) for int8."""
+
+    qtype: int
+    data: Tensor
+    scales: Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    @functools.cached_property
+    def args(self) -> tuple[int, int, int, int, int | None]:
+        """(qtype, data pointer, row bytes, rows, scales pointer): what every kernel call passes, read once
+        (a decode step makes ~200 of these calls; each Python step in them is a noticeable cost)."""
+        scales = None if self.scales is None else self.scales.data_ptr()
+        return self.qtype, self.data.data_ptr(), self.data.shape[1], self.rows, scales
+
+
+@dataclass(frozen=True, eq=False)
+class QuantWeight:
+    """An (n, k) linear weight as one or more segments of rows (a fused q/k/v whose parts differ in format
+    keeps one segment each; fused parts of one format are one)."""
+
+    segments: tuple[QuantSegment, ...]
+    k: int
+
+    @functools.cached_property
+    def n(self) -> int:
+        return sum(s.rows for s in self.segments)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.data.numel() + (0 if s.scales is None else s.scales.numel() * 4) for s in self.segments)
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(FORMATS[s.qtype][0] for s in self.segments))
+
+
+def format_name(qtype: int) -> str | None:
+    """The format's name where the kernels read it, else None (the loader dequantizes that tensor)."""
+    entry = FORMATS.get(qtype)
+    return None if entry is None else entry[0]
+
+
+def from_blocks(qtype: int, data: Tensor, k: int) -> QuantWeight:
+    """A weight of `data` (rows, row_bytes) uint8 in ggml format `qtype`, rows of k elements."""
+    _, elems, nbytes = FORMATS[qtype]
+    if k % elems or data.dim() != 2 or data.shape[1] != k // elems * nbytes:
+        raise ValueError(f"{FORMATS[qtype][0]} rows of {k} elements cannot be {tuple(data.shape)} bytes")
+    return QuantWeight((QuantSegment(qtype, data),), k)
+
+
+def quantize_int8(w: Tensor) -> QuantWeight:
+    """Weight-only int8 per output channel: scale = max |row| / 127, q = round(w / scale)."""
+    w = w.detach().float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return QuantWeight((QuantSegment(INT8_ROW, q.view(torch.uint8), scales.contiguous()),), w.shape[1])
+
+
+def cat(parts: list[QuantWeight]) -> QuantWeight:
+    """Row-wise concatenation (a fused q/k/v or gate/up); adjacent segments of one format become one."""
+    if len({p.k for p in parts}) != 1:
+        raise ValueError("quantized weights of different widths cannot be fused")
+    merged: list[list[QuantSegment]] = []
+    for seg in (s for p in parts for s in p.segments):
+        if merged and merged[-1][0].qtype == seg.qtype:
+            merged[-1].append(seg)
+        else:
+            merged.append([seg])
+    segments = tuple(
+        run[0] if len(run) == 1 else QuantSegment(
+            run[0].qtype, torch.cat([s.data for s in run]),
+            None if run[0].scales is None else torch.cat([s.scales for s in run]))
+        for run in merged)
+    return QuantWeight(segments, parts[0].k)
+
+
+def map_rows(w: QuantWeight, fn: Callable[[Tensor], Tensor]) -> QuantWeight:
+    """`fn` (a row permutation, as Q/K's un-permutation) applied to each segment's rows."""
+    return QuantWeight(tuple(QuantSegment(s.qtype, fn(s.data).contiguous(), None if s.scales is None
+                                          else fn(s.scales).contiguous()) for s in w.segments), w.k)
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """None when the quantized kernels run here, else why not (one line)."""
+    try:
+        load_library()
+    except KernelBuildError as e:
+        return str(e)
+    return None
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise ValueError(f"the quantized {what} kernel cannot take these inputs (code {rc})")
+
+
+def _decode(seg: QuantSegment, k: int, out: Tensor, first: int = 0, ids: Tensor | None = None) -> None:
+    count = out.shape[0]
+    rc = load_library().mixserve_quant_decode_rows(
+        seg.qtype, seg.data.data_ptr(), seg.data.shape[1], k,
+        None if seg.scales is None else seg.scales.data_ptr(),
+        None if ids is None else ids.data_ptr(), first, count, out.data_ptr(), out.stride(0),
+        torch.get_num_threads())
+    _check(rc, "decode")
+
+
+def dequantize(w: QuantWeight) -> Tensor:
+    """The whole weight as float32 (n, k): the reference the kernels are tested against."""
+    out = torch.empty(w.shape, dtype=torch.float32)
+    row = 0
+    for seg in w.segments:
+        _decode(seg, w.k, out[row : row + seg.rows])
+        row += seg.rows
+    return out
+
+
+def embedding(ids: Tensor, w: QuantWeight, dtype: torch.dtype) -> Tensor:
+    """Rows `ids` of the table, decoded (the embedding lookup of a quantized token table)."""
+    if len(w.segments) != 1:
+        raise ValueError("a quantized embedding table has one format")
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty((ids.numel(), w.k), dtype=torch.float32)
+    _decode(w.segments[0], w.k, out, ids=ids)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def linear(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:
+    """x (m, k) -> x @ w.T + bias in float32 on the decoded weights (cast back to x's dtype)."""
+    if x.dtype != torch.float32 or (bias is not None and (bias.dtype != torch.float32
+                                                         or not bias.is_contiguous())):
+        out = linear(x.float(), w, None if bias is None else bias.float().contiguous())
+        return out.to(x.dtype)
+    if x.stride(1) != 1 or x.stride(0) < w.k:
+        x = x.contiguous()
+    return _few_rows(x, w, bias) if x.shape[0] <= FEW_ROWS else _tiles(x, w, bias)
+
+
+def _few_rows(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:
+    m, n, k = x.shape[0], w.n, w.k
+    out = torch.empty((m, n), dtype=torch.float32)
+    kernel, threads, int8 = load_library().mixserve_quant_linear, torch.get_num_threads(), int(INT8_INPUTS)
+    xp, ldx, op = x.data_ptr(), x.stride(0), out.data_ptr()
+    bp = None if bias is None else bias.data_ptr()
+    col = 0
+    for seg in w.segments:
+        qtype, data, row_bytes, rows, scales = seg.args
+        rc = kernel(qtype, xp, ldx, m, data, row_bytes, rows, k, scales, None if bp is None else bp + 4 * col,
+                    op + 4 * col, n, int8, threads)
+        if rc != 0:
+            _check(rc, "linear")
+        col += rows
+    return out
+
+
+def _tiles(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:
+    n, k = w.shape
+    rows = max(1, _TILE_ELEMS // k)
+    if len(w.segments) == 1 and n <= rows:  # the common case: the whole weight is one tile
+        tile = _scratch(n * k)[: n * k].view(n, k)
+        _decode(w.segments[0], k, tile)
+        return F.linear(x, tile, bias)
+    out = torch.empty((x.shape[0], n), dtype=torch.float32)
+    col = 0
+    for seg in w.segments:
+        for start in range(0, seg.rows, rows):
+            count = min(rows, seg.rows - start)
+            tile = _scratch(count * k)[: count * k].view(count, k)
+            _decode(seg, k, tile, first=start)
+            b = None if bias is None else bias[col + start : col + start + count]
+            out[:, col + start : col + start + count] = F.linear(x, tile, b)
+        col += seg.rows
+    return out
+
+
+_SCRATCH: list[Tensor] = []  # one float32 buffer the tiles are decoded into, grown to the largest tile
+
+
+def _scratch(elems: int) -> Tensor:
+    if not _SCRATCH or _SCRATCH[0].numel() < elems:
+        _SCRATCH[:] = [torch.empty(elems, dtype=torch.float32)]
+    return _SCRATCH[0]

@@ -1,0 +1,56 @@
+"""Which weights stay quantized (`[engine] quantization`): the one place that decides it, at load.
+
+`auto`: a GGUF file's linears, token table and head stay in the file's blocks where a CPU kernel reads the
+format (mixserve/model/cpu/quant_linear.py); any other tensor, and every tensor of an HF folder, loads as
+before. `none`: everything dequantized to the model's dtype. `int8`: the dense linears, the token table and
+the head quantized at load to int8 per output channel (weight-only), from whatever the checkpoint holds.
+Quantized weights run on the CPU only; elsewhere `auto` and `int8` load unquantized and say so once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from mixserve.model.errors import ModelLoadError
+
+log = logging.getLogger("mixserve")
+MODES = ("auto", "none", "int8")
+
+
+def resolve(mode: str, device: torch.device) -> str:
+    """The mode that applies on `device`: `mode`, or `none` where quantized weights cannot run."""
+    if mode not in MODES:
+        raise ModelLoadError(f"quantization {mode!r} is not one of {', '.join(MODES)}")
+    if mode == "none":
+        return mode
+    if device.type != "cpu":
+        log.warning("quantization %s: quantized weights run on the CPU only; loading unquantized on %s",
+                    mode, device)
+        return "none"
+    from mixserve.model.cpu.quant_linear import unavailable
+
+    why = unavailable()
+    if why is not None:
+        log.warning("quantization %s: the quantized CPU kernels are unavailable (%s); loading unquantized",
+                    mode, why)
+        return "none"
+    return mode
+
+
+@torch.no_grad()
+def quantize_int8(model) -> None:
+    """Replace the dense linears, the token table and the head of a loaded DecoderModel by int8 per channel
+    (the experts of a MoE layer stay as loaded)."""
+    from mixserve.model.cpu import quant_linear
+    from mixserve.model.mlp import GatedMlp
+    from mixserve.model.weights import replace_weight
+
+    tied = model.lm_head is model.embed
+    for layer in model.layers:
+        for owner, attr in ((layer, "qkv"), (layer, "o_proj"), (layer.mlp, "gate_up"), (layer.mlp, "down")):
+            if owner is layer or isinstance(owner, GatedMlp):
+                replace_weight(owner, attr, quant_linear.quantize_int8(getattr(owner, attr)))
+    replace_weight(model, "embed", quant_linear.quantize_int8(model.embed))
+    replace_weight(model, "lm_head", model.embed if tied else quant_linear.quantize_int8(model.lm_head))
