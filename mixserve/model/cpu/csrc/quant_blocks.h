@@ -11,7 +11,9 @@
 
 namespace mixserve {
 
-enum QuantType : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, INT8_ROW = 100 };
+enum QuantType : int {
+    Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, INT8_ROW = 100
+};
 
 inline float half_to_float(uint16_t h) {
 #ifdef __F16C__

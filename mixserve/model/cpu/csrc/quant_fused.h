@@ -68,7 +68,8 @@ inline float fused_hsum(Vf v) { return hsum8(v); }
 template <int TYPE, int ROWS>
 void fused_pass(const uint8_t* w, int64_t row_bytes, int cols, const float* x, int64_t ldx, int64_t nb,
                 float (*sums)[4]) {
-    constexpr int COLS2 = 2, BB = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : TYPE == Q5_0 ? 22 : TYPE == Q5_1 ? 24 : 34;
+    constexpr int COLS2 = 2;
+    const int64_t BB = block_bytes(TYPE);
     Vf acc[COLS2][ROWS][2];  // the two halves of a block sum apart: twice the chains of FMAs in flight
     for (int c = 0; c < COLS2; ++c)
         for (int r = 0; r < ROWS; ++r) acc[c][r][0] = acc[c][r][1] = vzero();

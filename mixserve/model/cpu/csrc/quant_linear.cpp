@@ -159,6 +159,17 @@ void fused_rows_of(int rows, const uint8_t* w, int64_t row_bytes, int cols, cons
     }
 }
 
+void fused_rows(int type, int rows, const uint8_t* w, int64_t row_bytes, int cols, const float* x, int64_t ldx,
+                int64_t nb, float (*sums)[4]) {
+    switch (type) {
+        case mixserve::Q4_0: return fused_rows_of<mixserve::Q4_0>(rows, w, row_bytes, cols, x, ldx, nb, sums);
+        case mixserve::Q4_1: return fused_rows_of<mixserve::Q4_1>(rows, w, row_bytes, cols, x, ldx, nb, sums);
+        case mixserve::Q5_0: return fused_rows_of<mixserve::Q5_0>(rows, w, row_bytes, cols, x, ldx, nb, sums);
+        case mixserve::Q5_1: return fused_rows_of<mixserve::Q5_1>(rows, w, row_bytes, cols, x, ldx, nb, sums);
+        default: return fused_rows_of<mixserve::Q8_0>(rows, w, row_bytes, cols, x, ldx, nb, sums);
+    }
+}
+
 // The float32 product with each block decoded in registers (quant_fused.h): columns in pairs.
 void linear_fused(int type, const float* x, int64_t ldx, int64_t m, const uint8_t* w, int64_t row_bytes,
                   int64_t n, int64_t k, const float* bias, float* out, int64_t ldo, int num_threads) {
@@ -173,15 +184,7 @@ void linear_fused(int type, const float* x, int64_t ldx, int64_t m, const uint8_
             const int cols = static_cast<int>(std::min<int64_t>(PAIR, n - j0));
             for (int64_t r0 = 0; r0 < m; r0 += R) {
                 const int rn = static_cast<int>(std::min<int64_t>(R, m - r0));
-                const uint8_t* wj = w + j0 * row_bytes;
-                const float* xr = x + r0 * ldx;
-                switch (type) {
-                    case mixserve::Q4_0: fused_rows_of<mixserve::Q4_0>(rn, wj, row_bytes, cols, xr, ldx, nb, sums); break;
-                    case mixserve::Q4_1: fused_rows_of<mixserve::Q4_1>(rn, wj, row_bytes, cols, xr, ldx, nb, sums); break;
-                    case mixserve::Q5_0: fused_rows_of<mixserve::Q5_0>(rn, wj, row_bytes, cols, xr, ldx, nb, sums); break;
-                    case mixserve::Q5_1: fused_rows_of<mixserve::Q5_1>(rn, wj, row_bytes, cols, xr, ldx, nb, sums); break;
-                    default: fused_rows_of<mixserve::Q8_0>(rn, wj, row_bytes, cols, xr, ldx, nb, sums); break;
-                }
+                fused_rows(type, rn, w + j0 * row_bytes, row_bytes, cols, x + r0 * ldx, ldx, nb, sums);
                 for (int c = 0; c < cols; ++c)
                     for (int r = 0; r < rn; ++r)
                         out[(r0 + r) * ldo + j0 + c] = sums[c][r] + (bias ? bias[j0 + c] : 0.f);
