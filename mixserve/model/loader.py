@@ -84,7 +84,7 @@ def load_weights(path: Path, keep_blocks: bool = False
 
 def load_model(
     model: str | Path | None = None, *, device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32, quantization: str = "none",
+    dtype: torch.dtype = torch.float32, quantization: str = "auto",
 ) -> LoadedModel:
     """Load weights, build the module on `device` in `dtype`, and load the tokenizer; `quantization` as
     `[engine] quantization` says (mixserve/model/quantization.py)."""

@@ -113,7 +113,7 @@ class ModelRunner:
         gpu_memory_utilization: float = 0.9,
         cuda_graphs: bool = True,
         max_num_seqs: int = 256,
-        quantization: str = "none",
+        quantization: str = "auto",
     ) -> ModelRunner:
         """Load a GGUF file or HF folder (None: the default model) and allocate `num_blocks` KV blocks.
 

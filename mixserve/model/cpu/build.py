@@ -57,6 +57,7 @@ SIGNATURES = {
     "mixserve_few_row_linear": [_I, _P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I],
     "mixserve_quant_linear": [_I, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _I64, _I, _I],
     "mixserve_quant_decode_rows": [_I, _P, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _I],
+    "mixserve_quant_decode_panels": [_I, _P, _I64, _I64, _P, _I64, _I64, _P, _I],
     "mixserve_kernel_isa": [],
 }
 # mixserve_kernel_isa's bits: the extensions the library was compiled for (not the CPU's: see kernel_isa)

@@ -274,4 +274,39 @@ int mixserve_quant_decode_rows(int type, const void* data, int64_t row_bytes, in
     return 0;
 }
 
+#ifdef MIXSERVE_FEW_ROW_SIMD
+// Rows [first, first + count) of w decoded straight into the column panels mixserve_few_row_linear reads
+// (float32, LANES * VECS columns a panel, k-major; zeros past the last row), a panel per thread at a time:
+// the GEMM path of prefill chunks, with no row-major copy between.
+int mixserve_quant_decode_panels(int type, const void* data, int64_t row_bytes, int64_t k, const float* scales,
+                                 int64_t first, int64_t count, float* panels, int num_threads) {
+    if (!valid(type, k, scales)) return 1;
+    constexpr int64_t WIDTH = LANES * VECS;
+    const uint8_t* w = static_cast<const uint8_t*>(data);
+    const int64_t n_panels = (count + WIDTH - 1) / WIDTH;
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> rows(WIDTH * k);  // the panel's rows decoded row-major (in L2), then transposed
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < n_panels; ++p) {
+            const int64_t valid = std::min<int64_t>(WIDTH, count - p * WIDTH);
+            for (int64_t c = 0; c < WIDTH; ++c) {
+                const int64_t j = first + p * WIDTH + c;
+                if (c < valid) decode_row(type, w + j * row_bytes, k, scales ? scales[j] : 1.f, rows.data() + c * k);
+                else std::fill_n(rows.data() + c * k, k, 0.f);
+            }
+            // writes in order; the reads touch WIDTH lines at a time, each reused for 16 k: they stay in L1
+            float* panel = panels + p * k * WIDTH;
+            for (int64_t kk = 0; kk < k; ++kk)
+                for (int64_t c = 0; c < WIDTH; ++c) panel[kk * WIDTH + c] = rows[c * k + kk];
+        }
+    }
+    return 0;
+}
+#else
+int mixserve_quant_decode_panels(int, const void*, int64_t, int64_t, const float*, int64_t, int64_t, float*, int) {
+    return 2;
+}
+#endif
+
 }  // extern "C"
