@@ -25,7 +25,7 @@ INT8_ROW = 100  # our int8 per output channel (not a ggml type): a row is k int8
 FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
            8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
            13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), INT8_ROW: ("int8", 1, 1)}
-FEW_ROWS = 16  # up to this many rows the block kernel; above, decoded tiles and the GEMM
+FEW_ROWS = 32  # up to this many rows the block kernel; above, decoded tiles and the GEMM (see the record)
 # True: the 32-element formats' few-row products as integer dots on inputs rounded to int8 per block of 32,
 # as llama.cpp does (csrc/quant_dot.h). False (kept): float32 products on the decoded weights, as fast here
 # and exact, so greedy output equals `none`'s (docs/decisions/quantized-weights-in-place.md)
@@ -197,7 +197,8 @@ def _few_rows(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:
     return out
 
 
-def _tile_product(x: Tensor, seg: QuantSegment, k: int, first: int, count: int, bias: Tensor | None) -> Tensor:
+def _tile_product(x: Tensor, seg: QuantSegment, k: int, first: int, count: int,
+                  bias: Tensor | None) -> Tensor:
     """x @ rows [first, first + count) of the segment, decoded into float32: straight into the few-row
     kernel's column panels where it was built (F.linear on an unpacked weight is ~2x slower than a packed
     GEMM, and the panels match the packed one up to 256 rows), else row-major for F.linear."""

@@ -148,19 +148,23 @@ void linear_int8_dot(int type, const float* x, int64_t ldx, int64_t m, const uin
 #ifdef MIXSERVE_QUANT_FUSED
 template <int TYPE>
 void fused_rows_of(int rows, const uint8_t* w, int64_t row_bytes, int cols, const float* x, int64_t ldx,
-                   int64_t nb, float (*sums)[4]) {
+                   int64_t nb, float (*sums)[8]) {
     switch (rows) {
         case 1: return mixserve::fused_pass<TYPE, 1>(w, row_bytes, cols, x, ldx, nb, sums);
-#if defined(__AVX512F__)  // FUSED_ROWS is 4 there, 2 on AVX2
+#if defined(__AVX512F__)  // FUSED_ROWS is 8 there, 2 on AVX2
         case 2: return mixserve::fused_pass<TYPE, 2>(w, row_bytes, cols, x, ldx, nb, sums);
         case 3: return mixserve::fused_pass<TYPE, 3>(w, row_bytes, cols, x, ldx, nb, sums);
+        case 4: return mixserve::fused_pass<TYPE, 4>(w, row_bytes, cols, x, ldx, nb, sums);
+        case 5: return mixserve::fused_pass<TYPE, 5>(w, row_bytes, cols, x, ldx, nb, sums);
+        case 6: return mixserve::fused_pass<TYPE, 6>(w, row_bytes, cols, x, ldx, nb, sums);
+        case 7: return mixserve::fused_pass<TYPE, 7>(w, row_bytes, cols, x, ldx, nb, sums);
 #endif
         default: return mixserve::fused_pass<TYPE, mixserve::FUSED_ROWS>(w, row_bytes, cols, x, ldx, nb, sums);
     }
 }
 
 void fused_rows(int type, int rows, const uint8_t* w, int64_t row_bytes, int cols, const float* x, int64_t ldx,
-                int64_t nb, float (*sums)[4]) {
+                int64_t nb, float (*sums)[8]) {
     switch (type) {
         case mixserve::Q4_0: return fused_rows_of<mixserve::Q4_0>(rows, w, row_bytes, cols, x, ldx, nb, sums);
         case mixserve::Q4_1: return fused_rows_of<mixserve::Q4_1>(rows, w, row_bytes, cols, x, ldx, nb, sums);
@@ -177,7 +181,7 @@ void linear_fused(int type, const float* x, int64_t ldx, int64_t m, const uint8_
     const int64_t nb = k / 32, groups = (n + PAIR - 1) / PAIR;
 #pragma omp parallel num_threads(num_threads) if (groups >= 8 * num_threads)
     {
-        float sums[4][4];
+        float sums[2][8];
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         for (int64_t g = groups * t / nt; g < groups * (t + 1) / nt; ++g) {
             const int64_t j0 = g * PAIR;

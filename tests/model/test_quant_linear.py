@@ -1,0 +1,222 @@
+"""Quantized weights read in place (mixserve/model/cpu/quant_linear.py): the C++ decoder of every format
+equals gguf-py's dequantize exactly; `linear` (the few-row block kernel up to FEW_ROWS rows, decoded tiles +
+torch's GEMM above) equals x @ dequantize(w).T to float32 rounding; fused (cat) weights, the embedding lookup,
+int8 per output channel and bf16 inputs. Each test runs on the native build and the AVX2 one (conftest.py)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from mixserve.model.cpu import quant_linear as ql
+
+pytestmark = pytest.mark.usefixtures("kernel_build")
+
+BLOCK_TYPES = [t for t in ql.FORMATS if t != ql.INT8_ROW]
+IDS = {t: ql.FORMATS[t][0] for t in ql.FORMATS}
+# byte offsets of each block's fp16 fields (ggml-common.h): d, and m / dmin where the format has one; every
+# other byte of a block (quants, 6-bit sub-block scales, Q6_K's int8 scales) may take any value
+HALF_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+ROWS = [1, 2, 3, 4, 5, 16, 17, 40]  # both sides of FEW_ROWS: the block kernel, then tiles + GEMM
+N, K = 37, 512  # n odd and not a multiple of the kernel's 4 columns; k a whole number of 256-element blocks
+U = 2.0**-24  # float32's unit roundoff
+
+
+def random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
+    """(n, row bytes) uint8 of random blocks whose fp16 fields are finite scales of either sign."""
+    _, elems, nbytes = ql.FORMATS[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
+    for off in HALF_FIELDS[qtype]:
+        halves = rng.uniform(-0.05, 0.05, size=(n, k // elems)).astype(np.float16)
+        raw[:, :, off : off + 2] = halves.view(np.uint8).reshape(n, k // elems, 2)
+    return raw.reshape(n, -1)
+
+
+def weight(qtype: int, n: int = N, k: int = K, seed: int = 0) -> ql.QuantWeight:
+    return ql.from_blocks(qtype, torch.from_numpy(random_blocks(qtype, n, k, seed)), k)
+
+
+def reference(raw: np.ndarray, qtype: int) -> torch.Tensor:
+    return torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).astype(np.float32))
+
+
+def int8_dot(w: ql.QuantWeight, rows: int) -> bool:
+    """This call takes the integer-dot product: few rows, the 32-element formats, INT8_INPUTS on (the C++
+    int8_dot_type list: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)."""
+    return (getattr(ql, "INT8_INPUTS", False) and rows <= ql.FEW_ROWS
+            and all(ql.FORMATS[s.qtype][1] == 32 for s in w.segments))
+
+
+def rounded_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the integer-dot path sees it (csrc/quant_dot.h): blocks of 32 rounded to d q, d = amax / 127;
+    and d where x / d is within float32 rounding of a tie (bf16 inputs hit x / d = 63.5 exactly): there the
+    kernel's rounding (its reciprocal and product under -freciprocal-math) may fall either side, d apart."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scaled = blocks * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(scaled).clamp(-127, 127)
+    tie = ((scaled - scaled.floor() - 0.5).abs() <= 1e-5 * scaled.abs()).float()
+    return (amax / 127 * q).reshape(m, k), (tie * amax / 127).reshape(m, k)
+
+
+def assert_linear_close(got: torch.Tensor, x: torch.Tensor, deq: torch.Tensor, bias: torch.Tensor | None,
+                        int8_inputs: bool = False) -> None:
+    """got = x @ deq.T + bias to float32 rounding. A float32 sum of k products, in any order (SIMD lanes,
+    MKL's blocking), is within k u sum|x_i w_i| of the exact sum (the classical bound, one rounding per add
+    and product); (k + 2) u covers the bias add. One wrong, missing or swapped element moves y by ~|x w|,
+    about 1/k of sum|x w| (2e-3 at k = 512): far above the bound (3e-5). The integer-dot path is held to the
+    same bound against the inputs it rounds (rounded_inputs), computed exactly here, plus a step a tie."""
+    xr, ties = rounded_inputs(x) if int8_inputs else (x, torch.zeros_like(x))
+    ref = xr.double() @ deq.double().T + (0 if bias is None else bias.double())
+    scale = xr.double().abs() @ deq.double().abs().T + (0 if bias is None else bias.double().abs())
+    err = ((got.double() - ref).abs() - ties.double() @ deq.double().abs().T).clamp_min(0) / scale
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    assert float(err.max()) <= (x.shape[1] + 2) * U, float(err.max())
+
+
+@pytest.fixture(params=[False, True], ids=["float-products", "int8-inputs"])
+def int8_inputs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both settings of quant_linear.INT8_INPUTS (Q4_0/Q4_1/Q5_x/Q8_0 few-row products on int8 inputs)."""
+    if not hasattr(ql, "INT8_INPUTS"):
+        if request.param:
+            pytest.skip("this quant_linear has no integer-dot path")
+        return False
+    monkeypatch.setattr(ql, "INT8_INPUTS", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=IDS.get)
+def test_decode_of_random_blocks_equals_gguf_exactly(qtype: int) -> None:
+    raw = random_blocks(qtype, N, K, seed=qtype)
+    w = ql.from_blocks(qtype, torch.from_numpy(raw), K)
+    assert (w.shape, w.n, w.k, w.formats, w.nbytes) == ((N, K), N, K, (IDS[qtype],), raw.nbytes)
+    got = ql.dequantize(w)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert torch.equal(got, reference(raw, qtype))
+
+
+@pytest.mark.parametrize("qtype", [t for t in BLOCK_TYPES if ql.FORMATS[t][1] == 32], ids=IDS.get)
+def test_decode_of_quantized_real_tensors_equals_gguf_exactly(qtype: int) -> None:
+    g = torch.Generator().manual_seed(qtype)
+    x = torch.randn(24, 96, generator=g) * torch.logspace(-3, 1, 24)[:, None]  # rows of very different scale
+    try:
+        raw = quants.quantize(x.numpy(), gguf.GGMLQuantizationType(qtype))
+    except NotImplementedError:
+        pytest.skip(f"gguf-py cannot quantize {IDS[qtype]}")
+    got = ql.dequantize(ql.from_blocks(qtype, torch.from_numpy(raw), 96))
+    assert torch.equal(got, reference(raw, qtype))
+    assert float(((got - x).abs().amax(1) / x.abs().amax(1)).max()) < 0.2  # it is x, quantized
+
+
+def test_from_blocks_refuses_rows_of_the_wrong_size() -> None:
+    with pytest.raises(ValueError, match="Q4_K rows of 96 elements"):
+        ql.from_blocks(12, torch.zeros(4, 54, dtype=torch.uint8), 96)  # k not a whole number of blocks
+    with pytest.raises(ValueError, match="Q8_0"):
+        ql.from_blocks(8, torch.zeros(4, 33, dtype=torch.uint8), 32)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=IDS.get)
+def test_linear_equals_the_dequantized_matmul(int8_inputs: bool, qtype: int, rows: int) -> None:
+    w = weight(qtype, seed=qtype)
+    deq = ql.dequantize(w)
+    g = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, K, generator=g), torch.randn(N, generator=g)
+    assert_linear_close(ql.linear(x, w, bias), x, deq, bias, int8_dot(w, rows))
+    assert_linear_close(ql.linear(x, w, None), x, deq, None, int8_dot(w, rows))
+    wide = torch.cat([x, torch.randn(rows, 32, generator=g)], dim=1)[:, :K]  # row stride > k
+    assert_linear_close(ql.linear(wide, w, bias), x, deq, bias, int8_dot(w, rows))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+def test_cat_of_formats_equals_the_dequantized_concatenation(int8_inputs: bool, rows: int,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    parts = [weight(8, 5, seed=1), weight(8, 6, seed=2), weight(14, 7, seed=3), weight(2, 3, seed=4)]
+    fused = ql.cat(parts)
+    assert [ql.FORMATS[s.qtype][0] for s in fused.segments] == ["Q8_0", "Q6_K", "Q4_0"]  # adjacent Q8_0 merge
+    assert fused.shape == (21, K) and fused.formats == ("Q8_0", "Q6_K", "Q4_0")
+    assert fused.nbytes == sum(p.nbytes for p in parts)
+    deq = torch.cat([ql.dequantize(p) for p in parts])
+    assert torch.equal(ql.dequantize(fused), deq)
+    g = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, K, generator=g), torch.randn(21, generator=g)
+    # the integer-dot rounding applies to the Q8_0 / Q4_0 segments only: check them and Q6_K's apart
+    got = ql.linear(x, fused, bias)
+    dot = int8_dot(parts[0], rows)
+    assert_linear_close(got[:, :11], x, deq[:11], bias[:11], dot)
+    assert_linear_close(got[:, 11:18], x, deq[11:18], bias[11:18], False)
+    assert_linear_close(got[:, 18:], x, deq[18:], bias[18:], dot)
+    monkeypatch.setattr(ql, "_TILE_ELEMS", 4 * K)  # tiles of 4 rows: segments split across several tiles
+    got = ql.linear(x, fused, bias)
+    assert_linear_close(got[:, 11:18], x, deq[11:18], bias[11:18], False)
+    if rows > ql.FEW_ROWS:
+        assert_linear_close(got, x, deq, bias, False)
+    with pytest.raises(ValueError, match="different widths"):
+        ql.cat([weight(8, 2, k=64), weight(8, 2, k=96)])
+
+
+def test_map_rows_permutes_rows_and_scales() -> None:
+    w = ql.cat([weight(3, 6, seed=5), ql.quantize_int8(torch.randn(4, K))])  # Q4_1 rows, then int8 rows
+
+    def swap_pairs(t: torch.Tensor) -> torch.Tensor:  # applied to each segment's rows (and int8's scales)
+        return t[torch.arange(t.shape[0]).view(-1, 2).flip(1).flatten()]
+
+    got = ql.dequantize(ql.map_rows(w, swap_pairs))
+    assert torch.equal(got, ql.dequantize(w)[torch.tensor([1, 0, 3, 2, 5, 4, 7, 6, 9, 8])])
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES + [ql.INT8_ROW], ids=IDS.get)
+def test_embedding_is_the_dequantized_rows(qtype: int) -> None:
+    table = ql.quantize_int8(torch.randn(50, 96)) if qtype == ql.INT8_ROW else weight(qtype, 50, K, seed=6)
+    deq = ql.dequantize(table)
+    ids = torch.tensor([3, 0, 49, 3, 17, 17, 2])  # repeats, out of order, the last row
+    assert torch.equal(ql.embedding(ids, table, torch.float32), deq[ids])
+    assert torch.equal(ql.embedding(ids.int(), table, torch.bfloat16), deq[ids].bfloat16())
+    assert ql.embedding(ids[:0], table, torch.float32).shape == (0, table.k)
+    with pytest.raises(ValueError, match="one format"):
+        ql.embedding(ids, ql.cat([weight(8, 50, seed=1), weight(2, 50, seed=2)]), torch.float32)
+
+
+@pytest.mark.parametrize("k", [96, 45])  # 45: not a multiple of any vector width (the scalar tail)
+def test_int8_per_channel_error_is_at_most_half_a_step(k: int) -> None:
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(33, k, generator=g) * torch.logspace(-2, 2, 33)[:, None]
+    w[5] = 0.0  # an all-zero row: a tiny scale, no division by zero
+    q = ql.quantize_int8(w)
+    assert q.formats == ("int8",) and q.shape == (33, k) and q.nbytes == 33 * k + 33 * 4
+    scales = q.segments[0].scales
+    deq = ql.dequantize(q)
+    assert torch.equal(deq, q.segments[0].data.view(torch.int8).float() * scales[:, None])
+    # round(w / s) s is within s / 2 of w, plus float32 rounding of the division and product (a few ulps of w)
+    assert bool(((deq - w).abs() <= scales[:, None] / 2 + 4 * U * w.abs()).all())
+    assert torch.equal(deq[5], torch.zeros(k)) and torch.isfinite(scales).all()
+    assert torch.allclose(scales, w.abs().amax(1) / 127, rtol=0, atol=torch.finfo(torch.float32).tiny)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("k", [96, 45])
+def test_int8_per_channel_linear_equals_its_dequantized_weight(rows: int, k: int) -> None:
+    g = torch.Generator().manual_seed(rows * k)
+    q = ql.quantize_int8(torch.randn(N, k, generator=g))
+    x, bias = torch.randn(rows, k, generator=g), torch.randn(N, generator=g)
+    assert_linear_close(ql.linear(x, q, bias), x, ql.dequantize(q), bias)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("qtype", [8, 3, 12, 14, ql.INT8_ROW], ids=IDS.get)
+def test_bf16_inputs_are_computed_in_float32_and_rounded_once(int8_inputs: bool, qtype: int,
+                                                               rows: int) -> None:
+    w = ql.quantize_int8(torch.randn(N, K)) if qtype == ql.INT8_ROW else weight(qtype, seed=qtype)
+    deq = ql.dequantize(w)
+    g = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, K, generator=g).bfloat16(), torch.randn(N, generator=g).bfloat16()
+    got = ql.linear(x, w, bias)
+    assert got.dtype == torch.bfloat16
+    want = ql.linear(x.float(), w, bias.float())  # the float32 result (checked above), rounded once to bf16
+    assert torch.equal(got, want.bfloat16())
+    assert_linear_close(want, x.float(), deq, bias.float(), int8_dot(w, rows))
