@@ -66,6 +66,8 @@ def bind_threads(n: int) -> bool:
         new = sorted(_task_ids() - before)
         if not new:  # the pool existed: the workers found when this thread was first bound, if it was
             new = _pools.get(me) or sorted(_task_ids() - {t.native_id for t in threading.enumerate()})
+        if len(new) != n - 1:  # other native threads among them (torch's own): binding one of those to a
+            return False       # worker's core would halve the pool's speed; unbound is correct, merely slower
         _pools[me] = new
         os.sched_setaffinity(me, {cores[0]})
         for i, tid in enumerate(new):
