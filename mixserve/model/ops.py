@@ -188,7 +188,7 @@ def cpu_ops(dtype: torch.dtype) -> LayerOps:
         name, pack, linear = "cpu-mkl-float32", mkl_linear.pack, mkl_linear.linear
     from mixserve.model.cpu.build import available
 
-    why_not = available()  # builds the C++ kernels on first use (~15 s once per machine)
+    why_not = available()  # builds the C++ kernels on first use (~30 s once per machine)
     if why_not is not None:  # no quantized weights either: quantization.resolve loads them unquantized
         log.warning("CPU layer ops run as eager PyTorch (slower): %s", why_not)
         return LayerOps(name=name, pack=pack, linear=linear, rms_norm=rms_norm,

@@ -1,6 +1,6 @@
 """Builds the C++ CPU kernels (csrc/: paged attention, small layer ops) once per machine; loads them (ctypes).
 
-The kernels have a plain C ABI and include no torch header, so g++ builds them in ~15 s with no
+The kernels have a plain C ABI and include no torch header, so g++ builds them in ~30 s with no
 ninja and no torch build machinery; `pip install` stays compiler-free. The library is cached under
 $MIXSERVE_CACHE (default ~/.cache/mixserve), keyed by the source, the flags, the compiler and the CPU's
 flags: `-march=native` code built on one CPU never runs on another. A machine without a compiler gets
