@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mixserve.model.cpu import few_row_linear
-from mixserve.model.cpu.build import KernelBuildError, load_library
+from mixserve.model.cpu.build import available, load_library
 
 INT8_ROW = 100  # our int8 per output channel (not a ggml type): a row is k int8 values, its scale beside
 # ggml type id -> (name, elements per block, bytes per block) of the formats the kernels read
@@ -124,14 +124,9 @@ def map_rows(w: QuantWeight, fn: Callable[[Tensor], Tensor]) -> QuantWeight:
                                           else fn(s.scales).contiguous()) for s in w.segments), w.k)
 
 
-@functools.cache
 def unavailable() -> str | None:
-    """None when the quantized kernels run here, else why not (one line)."""
-    try:
-        load_library()
-    except KernelBuildError as e:
-        return str(e)
-    return None
+    """None when the quantized kernels run here, else why not (one line): they are in the CPU kernels."""
+    return available()
 
 
 def _check(rc: int, what: str) -> None:

@@ -130,27 +130,32 @@ constexpr int PREFETCH_ROWS = 8;
 constexpr int PREFETCH_ROWS = PREFETCH_ROWS_OVERRIDE;
 #endif
 
+// visit(c, b, block) for every block b of the first `cols` (<= COLS) weight rows from w, b outermost, with
+// the rows PREFETCH_ROWS ahead asked for: one stream a thread does not keep the memory busy on its own.
+template <int COLS, typename Visit>
+inline void walk_blocks(const uint8_t* w, int64_t row_bytes, int cols, int64_t nb, int64_t bb, Visit&& visit) {
+    for (int64_t b = 0; b < nb; ++b)
+        for (int c = 0; c < COLS && c < cols; ++c) {
+            const uint8_t* blk = w + c * row_bytes + b * bb;
+            _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
+            visit(c, b, blk);
+        }
+}
+
 template <int TYPE, int COLS, int ROWS>
-void dot_q8_pass(const uint8_t* w, int64_t row_bytes, int cols, const RowQ8* x, int64_t nb, float (*sums)[4]) {
-    const int bb = block_bytes(TYPE);
+void dot_q8_pass(const uint8_t* w, int64_t row_bytes, int cols, const RowQ8* x, int64_t nb, float (*sums)[8]) {
     __m256 acc[COLS][ROWS];
     float mins[COLS][ROWS] = {};
     for (int c = 0; c < COLS; ++c)
         for (int r = 0; r < ROWS; ++r) acc[c][r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-        for (int c = 0; c < COLS; ++c) {
-            if (c >= cols) break;
-            const uint8_t* blk = w + c * row_bytes + b * bb;
-            // the rows PREFETCH_ROWS ahead: one stream a thread does not keep the memory busy on its own
-            _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
-            const WeightBlock wb = weight_block<TYPE>(blk);
-            for (int r = 0; r < ROWS; ++r) {
-                const __m256 dot = _mm256_cvtepi32_ps(block_dot<TYPE>(wb, x[r].q + 32 * b));
-                acc[c][r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(wb.scale * x[r].d[b]), acc[c][r]);
-                mins[c][r] += wb.min * x[r].s[b];
-            }
+    walk_blocks<COLS>(w, row_bytes, cols, nb, block_bytes(TYPE), [&](int c, int64_t b, const uint8_t* blk) {
+        const WeightBlock wb = weight_block<TYPE>(blk);
+        for (int r = 0; r < ROWS; ++r) {
+            const __m256 dot = _mm256_cvtepi32_ps(block_dot<TYPE>(wb, x[r].q + 32 * b));
+            acc[c][r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(wb.scale * x[r].d[b]), acc[c][r]);
+            mins[c][r] += wb.min * x[r].s[b];
         }
-    }
+    });
     for (int c = 0; c < cols; ++c)
         for (int r = 0; r < ROWS; ++r) sums[c][r] = hsum8(acc[c][r]) + mins[c][r];
 }

@@ -69,32 +69,26 @@ template <int TYPE, int ROWS>
 void fused_pass(const uint8_t* w, int64_t row_bytes, int cols, const float* x, int64_t ldx, int64_t nb,
                 float (*sums)[8]) {
     constexpr int COLS2 = 2;
-    const int64_t BB = block_bytes(TYPE);
     // Few rows sum a block's two halves apart: twice the chains of FMAs in flight; 8 rows have chains enough
     constexpr int H = ROWS > 4 ? 1 : 2;
     Vf acc[COLS2][ROWS][H];
     for (int c = 0; c < COLS2; ++c)
         for (int r = 0; r < ROWS; ++r)
             for (int h = 0; h < H; ++h) acc[c][r][h] = vzero();
-    for (int64_t b = 0; b < nb; ++b) {
-        for (int c = 0; c < COLS2; ++c) {
-            if (c >= cols) break;
-            const uint8_t* blk = w + c * row_bytes + b * BB;
-            _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
-            const Block32 q = block32<TYPE>(blk);
-            const Vf d = vbroadcast(q.d), m = vbroadcast(q.m);
-            Vf lo[V16], hi[V16];
-            weights16<TYPE == Q8_0>(q.lo, d, m, lo);
-            weights16<TYPE == Q8_0>(q.hi, d, m, hi);
-            for (int r = 0; r < ROWS; ++r) {
-                const float* xr = x + r * ldx + 32 * b;
-                for (int v = 0; v < V16; ++v) {
-                    acc[c][r][0] = vfmadd(lo[v], vload(xr + LANES * v), acc[c][r][0]);
-                    acc[c][r][H - 1] = vfmadd(hi[v], vload(xr + 16 + LANES * v), acc[c][r][H - 1]);
-                }
+    walk_blocks<COLS2>(w, row_bytes, cols, nb, block_bytes(TYPE), [&](int c, int64_t b, const uint8_t* blk) {
+        const Block32 q = block32<TYPE>(blk);
+        const Vf d = vbroadcast(q.d), m = vbroadcast(q.m);
+        Vf lo[V16], hi[V16];
+        weights16<TYPE == Q8_0>(q.lo, d, m, lo);
+        weights16<TYPE == Q8_0>(q.hi, d, m, hi);
+        for (int r = 0; r < ROWS; ++r) {
+            const float* xr = x + r * ldx + 32 * b;
+            for (int v = 0; v < V16; ++v) {
+                acc[c][r][0] = vfmadd(lo[v], vload(xr + LANES * v), acc[c][r][0]);
+                acc[c][r][H - 1] = vfmadd(hi[v], vload(xr + 16 + LANES * v), acc[c][r][H - 1]);
             }
         }
-    }
+    });
     for (int c = 0; c < cols; ++c)
         for (int r = 0; r < ROWS; ++r) sums[c][r] = fused_hsum(H == 2 ? vadd(acc[c][r][0], acc[c][r][H - 1])
                                                                        : acc[c][r][0]);

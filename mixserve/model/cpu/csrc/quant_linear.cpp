@@ -84,6 +84,30 @@ void dot_rows(int rows, const float* w, int cols, const float* x, int64_t ldx, i
     }
 }
 
+// The few-row products' thread split: output columns in pairs, contiguous runs a thread (one stream each),
+// rows in passes of R; pass(rows, j0, cols, r0, sums) fills sums[c][r] for columns j0.. and rows r0...
+template <int R, typename Pass>
+void column_pairs(int64_t m, int64_t n, const float* bias, float* out, int64_t ldo, int num_threads, Pass&& pass) {
+    constexpr int PAIR = 2;
+    const int64_t groups = (n + PAIR - 1) / PAIR;
+#pragma omp parallel num_threads(num_threads) if (groups >= 8 * num_threads)
+    {
+        float sums[PAIR][8];
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int64_t g = groups * t / nt; g < groups * (t + 1) / nt; ++g) {
+            const int64_t j0 = g * PAIR;
+            const int cols = static_cast<int>(std::min<int64_t>(PAIR, n - j0));
+            for (int64_t r0 = 0; r0 < m; r0 += R) {
+                const int rn = static_cast<int>(std::min<int64_t>(R, m - r0));
+                pass(rn, j0, cols, r0, sums);
+                for (int c = 0; c < cols; ++c)
+                    for (int r = 0; r < rn; ++r)
+                        out[(r0 + r) * ldo + j0 + c] = sums[c][r] + (bias ? bias[j0 + c] : 0.f);
+            }
+        }
+    }
+}
+
 #ifdef MIXSERVE_QUANT_DOT
 bool int8_dot_type(int type) {
     return type == mixserve::Q4_0 || type == mixserve::Q4_1 || type == mixserve::Q5_0 || type == mixserve::Q5_1 ||
@@ -92,7 +116,7 @@ bool int8_dot_type(int type) {
 
 template <int TYPE, int COLS2>
 void q8_rows_of(int rows, const uint8_t* w, int64_t row_bytes, int cols, const mixserve::RowQ8* x, int64_t nb,
-                float (*sums)[4]) {
+                float (*sums)[8]) {
     switch (rows) {
         case 1: return mixserve::dot_q8_pass<TYPE, COLS2, 1>(w, row_bytes, cols, x, nb, sums);
         case 2: return mixserve::dot_q8_pass<TYPE, COLS2, 2>(w, row_bytes, cols, x, nb, sums);
@@ -103,7 +127,7 @@ void q8_rows_of(int rows, const uint8_t* w, int64_t row_bytes, int cols, const m
 
 template <int COLS2>
 void q8_rows(int rows, int type, const uint8_t* w, int64_t row_bytes, int cols, const mixserve::RowQ8* x,
-             int64_t nb, float (*sums)[4]) {
+             int64_t nb, float (*sums)[8]) {
     switch (type) {
         case mixserve::Q4_0: return q8_rows_of<mixserve::Q4_0, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
         case mixserve::Q4_1: return q8_rows_of<mixserve::Q4_1, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
@@ -125,23 +149,9 @@ void linear_int8_dot(int type, const float* x, int64_t ldx, int64_t m, const uin
         mixserve::quantize_row_q8(x + r * ldx, k, xq.data() + r * k, xd.data() + r * nb, xs.data() + r * nb);
         rows[r] = {xq.data() + r * k, xd.data() + r * nb, xs.data() + r * nb};
     }
-    const int64_t groups = (n + PAIR - 1) / PAIR;
-#pragma omp parallel num_threads(num_threads) if (groups >= 8 * num_threads)
-    {
-        float sums[4][4];
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        for (int64_t g = groups * t / nt; g < groups * (t + 1) / nt; ++g) {
-            const int64_t j0 = g * PAIR;
-            const int cols = static_cast<int>(std::min<int64_t>(PAIR, n - j0));
-            for (int64_t r0 = 0; r0 < m; r0 += 4) {
-                const int rn = static_cast<int>(std::min<int64_t>(4, m - r0));
-                q8_rows<PAIR>(rn, type, w + j0 * row_bytes, row_bytes, cols, rows.data() + r0, nb, sums);
-                for (int c = 0; c < cols; ++c)
-                    for (int r = 0; r < rn; ++r)
-                        out[(r0 + r) * ldo + j0 + c] = sums[c][r] + (bias ? bias[j0 + c] : 0.f);
-            }
-        }
-    }
+    column_pairs<4>(m, n, bias, out, ldo, num_threads, [&](int rn, int64_t j0, int cols, int64_t r0, auto sums) {
+        q8_rows<PAIR>(rn, type, w + j0 * row_bytes, row_bytes, cols, rows.data() + r0, nb, sums);
+    });
 }
 #endif
 
@@ -177,24 +187,11 @@ void fused_rows(int type, int rows, const uint8_t* w, int64_t row_bytes, int col
 // The float32 product with each block decoded in registers (quant_fused.h): columns in pairs.
 void linear_fused(int type, const float* x, int64_t ldx, int64_t m, const uint8_t* w, int64_t row_bytes,
                   int64_t n, int64_t k, const float* bias, float* out, int64_t ldo, int num_threads) {
-    constexpr int PAIR = 2, R = mixserve::FUSED_ROWS;
-    const int64_t nb = k / 32, groups = (n + PAIR - 1) / PAIR;
-#pragma omp parallel num_threads(num_threads) if (groups >= 8 * num_threads)
-    {
-        float sums[2][8];
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        for (int64_t g = groups * t / nt; g < groups * (t + 1) / nt; ++g) {
-            const int64_t j0 = g * PAIR;
-            const int cols = static_cast<int>(std::min<int64_t>(PAIR, n - j0));
-            for (int64_t r0 = 0; r0 < m; r0 += R) {
-                const int rn = static_cast<int>(std::min<int64_t>(R, m - r0));
-                fused_rows(type, rn, w + j0 * row_bytes, row_bytes, cols, x + r0 * ldx, ldx, nb, sums);
-                for (int c = 0; c < cols; ++c)
-                    for (int r = 0; r < rn; ++r)
-                        out[(r0 + r) * ldo + j0 + c] = sums[c][r] + (bias ? bias[j0 + c] : 0.f);
-            }
-        }
-    }
+    const int64_t nb = k / 32;
+    column_pairs<mixserve::FUSED_ROWS>(m, n, bias, out, ldo, num_threads,
+                                       [&](int rn, int64_t j0, int cols, int64_t r0, auto sums) {
+        fused_rows(type, rn, w + j0 * row_bytes, row_bytes, cols, x + r0 * ldx, ldx, nb, sums);
+    });
 }
 #endif
 
@@ -296,8 +293,9 @@ int mixserve_quant_decode_panels(int type, const void* data, int64_t row_bytes, 
             const int64_t valid = std::min<int64_t>(WIDTH, count - p * WIDTH);
             for (int64_t c = 0; c < WIDTH; ++c) {
                 const int64_t j = first + p * WIDTH + c;
-                if (c < valid) decode_row(type, w + j * row_bytes, k, scales ? scales[j] : 1.f, rows.data() + c * k);
-                else std::fill_n(rows.data() + c * k, k, 0.f);
+                float* dst = rows.data() + c * k;
+                if (c < valid) decode_row(type, w + j * row_bytes, k, scales ? scales[j] : 1.f, dst);
+                else std::fill_n(dst, k, 0.f);
             }
             // writes in order; the reads touch WIDTH lines at a time, each reused for 16 k: they stay in L1
             float* panel = panels + p * k * WIDTH;
