@@ -45,6 +45,8 @@ ENGINE_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "--device": ("device", str),
     "--dtype": ("dtype", str),
     "--quantization": ("quantization", str),
+    "--speculative": ("speculative", str),
+    "--num-speculative-tokens": ("num_speculative_tokens", int),
     "--seed": ("seed", int),
 }
 

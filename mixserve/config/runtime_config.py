@@ -34,6 +34,8 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     quantization: str = "auto"  # auto | none | int8 (mixserve/model/quantization.py)
+    speculative: str = ""  # "" (off) | ngram (core/speculative.py)
+    num_speculative_tokens: int = 4  # k: the most drafts a decode carries
 
 
 @dataclass(frozen=True)

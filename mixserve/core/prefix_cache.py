@@ -193,14 +193,17 @@ class PrefixCache:
         r.block_table = []
         r.num_computed = 0
 
-    def register_step(self, out: ScheduleOutput, requests: Mapping[RequestId, Request]) -> None:
-        """After a step ran: register every block its decodes and chunks filled, with their keys."""
+    def register_step(self, out: ScheduleOutput, requests: Mapping[RequestId, Request],
+                      kept: Mapping[RequestId, int] | None = None) -> None:
+        """After a step ran: register every block its decodes and chunks filled, with their keys;
+        `kept[rid]`: the drafts a speculating decode kept (its rejected ones' slots are not filled)."""
+        kept = kept or {}
         spans = [(rid, None) for rid in out.decodes] + [(c.request_id, c) for c in out.chunks]
         for rid, chunk in spans:
             r = requests.get(rid)
             if r is None or r.status is not Status.RUNNING:
                 continue  # finished or aborted after the step was scheduled: its blocks are gone
-            start, end = (r.num_computed - 1, r.num_computed) if chunk is None else (
+            start, end = (r.num_computed - 1 - kept.get(rid, 0), r.num_computed) if chunk is None else (
                 chunk.start, chunk.start + chunk.length)
             first, full = start // self.block_size, end // self.block_size  # blocks first..full-1 filled
             if full > first:

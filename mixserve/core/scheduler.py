@@ -9,10 +9,12 @@ from mixserve.core.batch import Chunk, RequestId, ScheduleOutput
 from mixserve.core.blocks import BlockSpace
 from mixserve.core.config import SchedulerConfig
 from mixserve.core.cost_model import StepFeatures, TpotBudget, step_features
+from mixserve.core.draft_steps import book_draft, keep_verified, trim_blocks
 from mixserve.core.policy import PrefillPolicy, WholePrompt
 from mixserve.core.prefill_limits import Admit, PartialPrefills
 from mixserve.core.prefix_cache import PrefixCache, new_pool
-from mixserve.core.request import Request, Status
+from mixserve.core.request import Request, Status, new_request
+from mixserve.core.speculative import SpecCounts, Speculation
 from mixserve.core.stats import SchedulerStats
 from mixserve.core.step_draft import StepDraft
 from mixserve.core.waiting_share import WAITING_SHARE, WaitingShare
@@ -32,6 +34,8 @@ class Scheduler:
         self.policy: PrefillPolicy = WholePrompt()
         self.step_budget: TpotBudget | None = None  # None: every step's budget is max_batch_tokens
         self.waiting_share = WAITING_SHARE  # with a step budget: what waiting prompts may take first
+        self.speculation: Speculation | None = None  # None: one token per decode
+        self.spec_counts = SpecCounts()  # drafted and accepted so far
         self._requests: dict[RequestId, Request] = {}
         self._waiting: deque[Request] = deque()  # arrival order; preempted requests go back in front
         self._running: list[Request] = []  # admission order: the last one is preempted first
@@ -52,23 +56,18 @@ class Scheduler:
         self.step_budget, self.waiting_share = budget, waiting_share
         return self
 
+    def with_speculation(self, speculation: Speculation | None) -> Scheduler:
+        """Let decodes carry draft tokens (core/speculative.py) from now on; returns self."""
+        self.speculation = speculation
+        return self
+
     # ---- requests in and out -------------------------------------------------------------------
 
     def add_request(self, request_id: RequestId, prompt: Sequence[int], max_tokens: int) -> None:
         """Queue a request; ValueError if it is empty, asks for < 1 token, reuses an id or can never fit."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if len(prompt) == 0:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        if max_tokens < 1:
-            raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
-        if len(prompt) + max_tokens > self.cfg.num_slots:
-            raise ValueError(
-                f"request {request_id!r}: prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the "
-                f"KV cache ({self.cfg.num_blocks} blocks x {self.cfg.block_size} tokens)"
-            )
-        r = Request(request_id, [int(t) for t in prompt], len(prompt), max_tokens)
-        self._requests[request_id] = r
+        self._requests[request_id] = r = new_request(request_id, prompt, max_tokens, self.cfg)
         self._waiting.append(r)
 
     def finish(self, request_id: RequestId) -> None:
@@ -95,6 +94,14 @@ class Scheduler:
                 if self._reserve(r, len(r.tokens), step):
                     step.decodes[r.request_id] = None
                     r.num_computed += 1
+        # 1b. Their drafts, oldest first, in what the budget (and the target) leaves after every decode.
+        for rid in list(step.decodes) if self.speculation is not None else ():
+            r = self._requests[rid]
+            limit = min(step.budget_left, r.max_tokens - r.num_generated - 1)  # the last row samples too
+            if self.step_budget is not None and limit > 0:
+                limit = self.step_budget.chunk_budget(self._features(step), len(r.tokens), limit)
+            book_draft(r, step, self.speculation.propose(r, limit), self.cfg.block_size,
+                       lambda r, upto: self._reserve(r, upto, step, may_preempt=False))
         # 2. Requests part-way through their prefill, oldest first. Under a target (and with decodes to
         #    protect), waiting prompts that fit whole within their share of the step's time go before them.
         partial = PartialPrefills(self.cfg, (r.prefill_end for r in self._running if r.is_prefilling))
@@ -175,16 +182,14 @@ class Scheduler:
         return length
 
     def _features(self, step: StepDraft) -> StepFeatures:
-        """The step so far as the cost model sees it: each decode at n - 1, each chunk from its start."""
-        decodes = ((len(self._requests[rid].tokens) - 1, 1) for rid in step.decodes)
+        """The step so far as the cost model sees it: decodes at n - 1 with drafts, chunks at their start."""
+        drafts = step.drafts
+        decodes = ((len(self._requests[r].tokens) - 1, 1 + len(drafts.get(r, ()))) for r in step.decodes)
         return step_features([*decodes, *((c.start, c.length) for c in step.chunks.values())])
 
     def _reserve(self, r: Request, upto: int, step: StepDraft, may_preempt: bool = True) -> bool:
-        """Give `r` blocks for positions < upto, preempting the newest running requests if need be.
-
-        Returns False if that is impossible: blocks are short and preempting is not allowed, or `r`
-        itself was the newest and has been preempted.
-        """
+        """Give `r` blocks for positions < upto, preempting the newest running requests if need be; False
+        if that is impossible (blocks short and no preempting, or `r` itself was the newest, preempted)."""
         need = -(-upto // self.cfg.block_size) - len(r.block_table)
         while need > self.blocks.num_free():
             if not may_preempt:
@@ -206,14 +211,18 @@ class Scheduler:
         self._waiting.appendleft(r)
         self._num_preemptions += 1
 
-    def update(self, out: ScheduleOutput, sampled: Mapping[RequestId, int]) -> list[RequestId]:
-        """Append each sampled token; returns the requests that reached max_tokens in this step."""
+    def update(self, out: ScheduleOutput, sampled: Mapping[RequestId, int | Sequence[int]]
+               ) -> list[RequestId]:
+        """Append each sampled token (a speculating decode's: the drafts it kept, then the next token);
+        returns the requests that reached max_tokens in this step."""
         rows = [*out.decodes, *(c.request_id for c in out.chunks if c.last)]
         extra = set(sampled) - set(rows)
         if extra:
             raise ValueError(f"sampled tokens for requests with no sampled row this step: {sorted(extra)}")
+        kept = {rid: keep_verified(self._requests.get(rid), d, sampled.get(rid), self.spec_counts)
+                for rid, d in out.drafts.items()}
         if self._cache is not None:
-            self._cache.register_step(out, self._requests)  # the blocks this step filled become shareable
+            self._cache.register_step(out, self._requests, kept)  # the blocks this step filled are shareable
         finished = []
         for rid in rows:
             r = self._requests.get(rid)
@@ -221,7 +230,10 @@ class Scheduler:
                 continue  # finished or aborted after the step was scheduled
             if rid not in sampled:
                 raise ValueError(f"no sampled token for request {rid!r}")
-            r.tokens.append(int(sampled[rid]))
+            token = sampled[rid]
+            r.tokens.append(int(token[-1] if isinstance(token, Sequence) else token))
+            if rid in kept:
+                trim_blocks(r, self.blocks, self.cfg.block_size)
             if r.num_generated >= r.max_tokens:
                 self._finish(r)
                 finished.append(rid)
@@ -230,8 +242,7 @@ class Scheduler:
     # ---- bookkeeping ---------------------------------------------------------------------------
 
     def _get(self, request_id: RequestId) -> Request:
-        r = self._requests.get(request_id)
-        if r is None:
+        if (r := self._requests.get(request_id)) is None:
             raise KeyError(f"unknown request {request_id!r}")
         return r
 
@@ -258,16 +269,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._running or self._waiting)
 
-    def tokens(self, request_id: RequestId) -> list[int]:
-        """Prompt + generated so far."""
+    def tokens(self, request_id: RequestId) -> list[int]:  # prompt + generated so far
         return list(self._get(request_id).tokens)
 
     def request(self, request_id: RequestId) -> Request:
         """The live state of a request, for plan() and tests: read it, never change it."""
         return self._get(request_id)
 
-    def output(self, request_id: RequestId) -> list[int]:
-        """Generated so far; still readable once the request finished."""
+    def output(self, request_id: RequestId) -> list[int]:  # generated so far, also once finished
         r = self._get(request_id)
         return r.tokens[r.prompt_len :]
 
@@ -282,8 +291,9 @@ class Scheduler:
             num_blocks=self.cfg.num_blocks,
             num_free_blocks=self.blocks.num_free(),
             num_preemptions=self._num_preemptions,
-            step_decode_tokens=len(last.decodes),
-            step_prefill_tokens=last.num_tokens - len(last.decodes),
+            step_decode_tokens=len(last.decodes) + last.num_draft_tokens,
+            step_prefill_tokens=last.num_tokens - len(last.decodes) - last.num_draft_tokens,
             **(self._cache.stats() if self._cache is not None else {}),
+            **self.spec_counts.stats(),
             **(self.step_budget.stats() if self.step_budget is not None else {}),
         )

@@ -14,13 +14,18 @@ class SchedulerStats:
     num_blocks: int
     num_free_blocks: int
     num_preemptions: int  # since the scheduler was built (a counter)
-    step_decode_tokens: int  # in the last scheduled step
+    step_decode_tokens: int  # in the last scheduled step (a decode's drafts count here too)
     step_prefill_tokens: int
     # Prefix caching, since the scheduler was built (counters, in tokens; 0 with caching off): tokens of
     # the requests admitted, and how many of them were found in the cache instead of computed.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_cached_blocks: int = 0  # blocks holding a cached prefix, referenced or not (a gauge)
+    # Speculative decoding, since the scheduler was built (counters; core/speculative.py SpecCounts).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
     # The step cost model while a TPOT target is on (None otherwise): the last step's predicted and
     # measured time, and the coefficients of core/cost_model.py (overhead_s, per_token_s, per_pair_s,
     # per_seq_s), and what the budget scales the fit by: the drift and the spread's margin (step_drift.py).

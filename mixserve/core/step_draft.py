@@ -12,11 +12,13 @@ class StepDraft:
         self.budget = budget
         self.decodes: dict[RequestId, None] = {}  # dicts: ordered, and a preempted entry leaves in O(1)
         self.chunks: dict[RequestId, Chunk] = {}
+        self.drafts: dict[RequestId, tuple[int, ...]] = {}  # a speculating decode's draft tokens
         self.preempted: list[RequestId] = []
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(c.length for c in self.chunks.values())
+        return (len(self.decodes) + sum(len(d) for d in self.drafts.values())
+                + sum(c.length for c in self.chunks.values()))
 
     @property
     def budget_left(self) -> int:
@@ -30,6 +32,8 @@ class StepDraft:
     def drop(self, rid: RequestId) -> None:
         self.decodes.pop(rid, None)
         self.chunks.pop(rid, None)
+        self.drafts.pop(rid, None)
 
     def output(self) -> ScheduleOutput:
-        return ScheduleOutput(list(self.decodes), list(self.chunks.values()), self.preempted)
+        return ScheduleOutput(list(self.decodes), list(self.chunks.values()), self.preempted,
+                              dict(self.drafts))

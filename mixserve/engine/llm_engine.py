@@ -17,14 +17,17 @@ from mixserve.core import (
     WholePrompt,
     plan,
 )
+from mixserve.core.speculative import SpecStats
 from mixserve.engine.choices import Choices
-from mixserve.engine.outputs import RequestUpdate, TokenLogprobs
+from mixserve.engine.outputs import RequestUpdate
 from mixserve.engine.request_state import RequestState
 from mixserve.engine.sampling_params import SamplingParams
+from mixserve.engine.speculative import speculation_for
 from mixserve.engine.stats_log import EngineStats, StatsLog
 from mixserve.engine.step_cost import StepCost
+from mixserve.engine.step_sampling import Sampled, sample_step
 from mixserve.engine.step_trace import StepTrace
-from mixserve.engine.structured import Grammars, StepMasks
+from mixserve.engine.structured import Grammars
 from mixserve.engine.threads import available_cores, bind_threads, load_on_own_thread, set_threads
 from mixserve.runner.sampler import Sampler
 
@@ -68,7 +71,8 @@ class LLMEngine:
         policy = Chunked(cfg.prefill_chunk) if cfg.prefill_chunk > 0 else WholePrompt()
         if cfg.tpot_target_ms > 0:  # the target sizes the chunks: min(remaining, budget left)
             policy = Chunked(cfg.max_batch_tokens)
-        self.scheduler = Scheduler(sched_cfg).with_prefill_policy(policy)
+        self.scheduler = Scheduler(sched_cfg).with_prefill_policy(policy).with_speculation(
+            speculation_for(cfg.speculative, cfg.num_speculative_tokens))
         self.sampler = Sampler(cfg.seed, runner.device)
         self.grammars = Grammars(runner.tokenizer, self.vocab_size, self.eos_token_ids)  # built on first use
         self.num_threads = set_threads(cfg.threads) if torch.device(runner.device).type == "cpu" else 0
@@ -182,6 +186,7 @@ class LLMEngine:
         )
         if params.structured_output is not None:  # compiled by validate() (cached)
             self._requests[request_id].grammar = self.grammars.matcher(params.structured_output, request_id)
+            self.scheduler.request(request_id).spec = SpecStats(enabled=False)  # its mask follows each token
 
     def abort(self, request_id: str) -> None:
         """Drop a request (every choice of it) and free its blocks; unknown or finished ids are ignored."""
@@ -212,44 +217,27 @@ class LLMEngine:
         self.step_cost.begin(step_plan.batch)
         logits = self.runner.forward(step_plan.batch)
         # grammar masks, filled while a GPU still computes the logits; None if no row has a grammar
-        masks = self.grammars.masks([self._requests[rid].grammar for _, rid in step_plan.sample])
-        sampled = self._sample(logits, step_plan.sample, masks)
+        masks = self.grammars.masks([self._requests[rid].grammar for _, rid in step_plan.sample
+                                     if rid not in out.drafts])
+        sampled = sample_step(self.sampler, logits, step_plan, self._requests, masks)
         finished = self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
         updates, prompt_tokens = self._postprocess(sampled, set(finished))
         updates = self.choices.after_step(self, updates)
         return self._end_step(start, wall, out, len(step_plan.batch.seqs), prompt_tokens, updates)
 
-    def _sample(
-        self, logits: torch.Tensor, rows: list[tuple[int, str]], masks: StepMasks | None = None
-    ) -> dict[str, tuple[int, TokenLogprobs | None]]:
-        """The token (and logprobs) of each sampled row; a middle chunk's row is not among them."""
-        if not rows:
-            return {}
-        index = [row for row, _ in rows]
-        if index != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(index, dtype=torch.long, device=logits.device)]
-        states = [self._requests[rid] for _, rid in rows]
-        if masks is not None:  # in place, before the sampler: logprobs are the masked ones (as vLLM)
-            masks.apply(logits)
-        result = self.sampler(logits, [s.sampling_row() for s in states])
-        sampled: dict[str, tuple[int, TokenLogprobs | None]] = {}
-        for i, (_, rid) in enumerate(rows):
-            token, lp, top = result.token_ids[i], result.logprobs[i], result.top_logprobs[i]
-            logprobs = None if lp is None or top is None else TokenLogprobs(token, lp, tuple(top))
-            sampled[rid] = (token, logprobs)
-        return sampled
-
-    def _postprocess(
-        self, sampled: dict[str, tuple[int, TokenLogprobs | None]], finished_by_length: set[str]
-    ) -> tuple[list[RequestUpdate], int]:
+    def _postprocess(self, sampled: Sampled, finished_by_length: set[str]) -> tuple[list[RequestUpdate], int]:
         """Detokenize, check stops, end finished requests; returns the updates and new prompt tokens."""
         now = time.monotonic()
         updates, prompt_tokens = [], 0
-        for rid, (_, lp) in sampled.items():  # scheduler.update has appended each token to its record
+        for rid, (tokens, lps) in sampled.items():  # scheduler.update has appended them to its record
             state = self._requests[rid]
             if state.num_generated == 0 and not self.choices.is_later_choice(rid):  # once per request
                 prompt_tokens += state.record.prompt_len
-            reason = state.take(lp, now)
+            reason = None
+            for lp in lps if isinstance(tokens, list) else (lps,):
+                reason = state.take(lp, now)
+                if reason is not None:  # a stop inside a speculating decode's tokens: the rest are dropped
+                    break
             if reason is None and rid in finished_by_length:
                 reason = "length"
             updates.append(state.update(reason, now))

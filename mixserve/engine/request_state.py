@@ -97,23 +97,30 @@ class RequestState:
                 return "stop"
         return None
 
-    def sampling_row(self) -> SamplingRow:
-        """How the sampler treats this request's next token (read before the scheduler appends it)."""
+    def sampling_row(self, draft: tuple[int, ...] = ()) -> SamplingRow:
+        """How the sampler treats this request's next token (read before the scheduler appends it), or,
+        with `draft`, the token after those drafts (a speculating decode's later rows)."""
         if self._plain_row is not None:  # nothing in the row changes from step to step
             return self._plain_row
         p, tokens = self.params, self.record.tokens
-        seed = None if p.seed is None else row_seed(p.seed, self.num_generated)
+        generated = self.num_generated + len(draft)
+        seed = None if p.seed is None else row_seed(p.seed, generated)
         processing = None
         if p.penalized:
             penalties = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             # a grammar decides where its output ends: hiding the stop tokens could leave it no token
-            hide = self.num_generated < p.min_tokens and self.grammar is None
+            hide = generated < p.min_tokens and self.grammar is None
+            seen = [*tokens, *draft] if draft else tokens  # the sampler reads it at once
             processing = ProcessorRow(
                 p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias,
                 hidden_ids=tuple(self.stop_ids) if hide else (),
-                output_ids=tokens[self.record.prompt_len :] if penalties else (),
-                seen_ids=tokens if p.repetition_penalty != 1.0 else ())  # the sampler reads it at once
+                output_ids=seen[self.record.prompt_len :] if penalties else (),
+                seen_ids=seen if p.repetition_penalty != 1.0 else ())
         return SamplingRow(p.temperature, p.top_p, p.top_k, p.min_p, seed, p.logprobs, processing)
+
+    def sampling_rows(self, draft: tuple[int, ...]) -> list[SamplingRow]:
+        """The rows of a decode verifying `draft`: row j samples as if drafts[:j] had been taken."""
+        return [self.sampling_row(draft[:j]) for j in range(len(draft) + 1)]
 
     def update(self, finish_reason: str | None, now: float) -> RequestUpdate:
         """The delta since the last update; with a finish reason, the rest of the text and the output."""

@@ -172,7 +172,8 @@ class DecoderModel(nn.Module):
         kv_caches: KVCaches,
         attn: AttentionBackend,
     ) -> torch.Tensor:
-        """Packed tokens (T,) -> float32 logits (S, vocab) of the tokens at meta.last_token_index.
+        """Packed tokens (T,) -> float32 logits (S, vocab) of the tokens at meta.last_token_index (or
+        meta.logits_index).
 
         No host sync (the MoE layers sync once each when eager; their capture path does not), so CUDA graphs
         can capture it."""
@@ -192,7 +193,8 @@ class DecoderModel(nn.Module):
             rot = rots[layer.rope_table]
             hidden, residual = layer(hidden, residual, rot, k_cache, v_cache, attn, meta, ops)
         # Only each sequence's last token goes on: the last residual add fuses into the final norm.
-        last, eps = meta.last_token_index, cfg.rms_norm_eps
+        last = meta.last_token_index if meta.logits_index is None else meta.logits_index
+        eps = cfg.rms_norm_eps
         if residual is None:  # a model without layers
             hidden = ops.rms_norm(hidden[last], self.norm, eps)
         else:

@@ -8,7 +8,7 @@ import torch
 
 from mixserve.core.batch import ForwardBatch
 from mixserve.model.attention import get_backend
-from mixserve.model.attention.base import AttentionBackend, packed_tokens
+from mixserve.model.attention.base import AttentionBackend, logits_index, packed_tokens
 from mixserve.model.config import ModelConfig
 from mixserve.model.decoder import DecoderModel
 from mixserve.model.loader import load_model
@@ -141,7 +141,8 @@ class ModelRunner:
         return self.config.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """(len(batch.seqs), vocab) float32 logits: row i is the last token of seqs[i].
+        """(batch.num_logits, vocab) float32 logits: the last `num_logits` tokens of each seq in order
+        (one row per seq, its last token, unless a decode verifies drafts).
 
         Writes every token's K/V into the slots its block table names; one model forward for all seqs.
         A decode-only step may replay a CUDA graph: its logits stay valid until the next forward."""
@@ -152,6 +153,9 @@ class ModelRunner:
             return self.graphs.run(batch)
         with torch.inference_mode():
             meta = self.attention.prepare(batch, self.block_size, self.device)
+            rows = logits_index(batch)
+            if rows is not None:
+                meta.logits_index = torch.tensor(rows, dtype=torch.int64).to(self.device)
             if self.device.type == "cuda":
                 # Pinned and non-blocking: the host queues the copy instead of waiting for the device.
                 input_ids = packed_tokens(batch, torch.device("cpu")).pin_memory().to(self.device,

@@ -72,12 +72,21 @@ class Sampler:
         else:
             tokens = self._sample(logits, rows, greedy)
         token_list = tokens.tolist()
-        lps, tops = self._logprobs(raw, tokens, rows)
+        lps, tops = self.logprobs(raw, tokens, rows)
         return SampleResult(token_list, lps, tops)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
+        sampled = self.draw(self.filtered(logits, rows), self.uniforms(rows, logits.device)[:, 0])
+        if any(greedy):
+            mask = torch.tensor(greedy, device=logits.device)
+            sampled = torch.where(mask, argmax_rows(logits), sampled)
+        return sampled
+
+    def filtered(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The processed `logits` scaled by each row's temperature with top-k, top-p and min-p applied
+        (-inf outside): the distribution a sampled row draws from is their softmax."""
         dev = logits.device
-        num_rows, vocab = logits.shape
+        vocab = logits.shape[1]
         temps = torch.tensor([max(r.temperature, GREEDY_BELOW) for r in rows], device=dev)
         x = logits / temps.unsqueeze(1)
         if any(0 < r.top_k < vocab for r in rows) or any(r.top_p < 1.0 for r in rows):
@@ -86,32 +95,33 @@ class Sampler:
             probs = x.softmax(dim=-1)
             min_p = torch.tensor([r.min_p for r in rows], device=dev).unsqueeze(1)
             x = x.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), _MASK)
+        return x
+
+    @staticmethod
+    def draw(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """One token per row of filtered logits `x`, by inverse CDF at the row's U[0, 1) number in `u`."""
         # Inverse CDF: the first token whose cumulative probability exceeds u * total, u ~ U[0, 1) one
         # number per row (a filtered-out token adds nothing to the sum, so it is never the first), not
         # Gumbel noise: a draw per vocabulary entry per row was most of a sample's time on a CPU
         # (docs/decisions/host-cost-per-row.md). Float64 sums, so the tail is not rounded away.
         cdf = x.softmax(dim=-1).double().cumsum(dim=-1)
         total = cdf[:, -1:]
-        u = self._uniforms(rows, dev).unsqueeze(1)
-        point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-        sampled = torch.searchsorted(cdf, point, right=True).squeeze(1).clamp_(max=vocab - 1)
-        if any(greedy):
-            mask = torch.tensor(greedy, device=dev)
-            sampled = torch.where(mask, argmax_rows(logits), sampled)
-        return sampled
+        point = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, point, right=True).squeeze(1).clamp_(max=x.shape[1] - 1)
 
-    def _uniforms(self, rows: list[SamplingRow], dev: torch.device) -> torch.Tensor:
-        """One U[0, 1) float64 per row: a seeded row's from its own generator (its seed already mixes in
-        the position, so it does not depend on the batch), the others' from the sampler's generator."""
+    def uniforms(self, rows: list[SamplingRow], dev: torch.device, count: int = 1) -> torch.Tensor:
+        """(len(rows), count) U[0, 1) float64: a seeded row's from its own generator (its seed already
+        mixes in the position, so it does not depend on the batch), the others' from the sampler's."""
         shared = [i for i, r in enumerate(rows) if r.seed is None]
-        u = torch.empty(len(rows), dtype=torch.float64)
+        u = torch.empty((len(rows), count), dtype=torch.float64)
         if shared:
-            drawn = torch.rand(len(shared), generator=self.generator, dtype=torch.float64, device=self.device)
+            drawn = torch.rand((len(shared), count), generator=self.generator, dtype=torch.float64,
+                               device=self.device)
             u[shared] = drawn.cpu()
         gen = torch.Generator()  # on the CPU whatever the device: one number, no kernel launch
         for i, r in enumerate(rows):
             if r.seed is not None:
-                u[i] = torch.rand((), generator=gen.manual_seed(r.seed), dtype=torch.float64)
+                u[i] = torch.rand(count, generator=gen.manual_seed(r.seed), dtype=torch.float64)
         return u.to(dev)
 
     @staticmethod
@@ -130,7 +140,7 @@ class Sampler:
         return torch.full_like(x, _MASK).scatter(1, index, ordered)
 
     @staticmethod
-    def _logprobs(
+    def logprobs(
         logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]
     ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
         """Log-probabilities of the model's own distribution (before temperature and filtering)."""

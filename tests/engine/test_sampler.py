@@ -86,6 +86,6 @@ def test_the_ends_of_the_uniform_never_pick_a_filtered_token(monkeypatch) -> Non
     rows = [SamplingRow(temperature=1.0, top_k=2)] * 2
     for u, expected in ((0.0, [1, 0]), (1.0 - 2**-53, [3, 4])):
         sampler = Sampler(seed=0)
-        monkeypatch.setattr(sampler, "_uniforms", lambda rows, dev, u=u: torch.full((len(rows),), u,
-                                                                                 dtype=torch.float64))
+        monkeypatch.setattr(sampler, "uniforms", lambda rows, dev, count=1, u=u: torch.full(
+            (len(rows), count), u, dtype=torch.float64))
         assert sampler(x, rows).token_ids == expected

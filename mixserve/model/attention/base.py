@@ -33,6 +33,9 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     plan: AttentionPlan | None = None  # the backend's own state; None: the common fields are enough
+    # (R,) int64: packed index of each logits row when a sequence wants more than its last (drafts to
+    # verify: ForwardSeq.num_logits); None: one row per sequence, last_token_index
+    logits_index: torch.Tensor | None = None
 
 
 @dataclass
@@ -130,6 +133,21 @@ def build_metadata(batch: ForwardBatch, block_size: int, device: torch.device,
                    width: int | None = None) -> AttentionMetadata:
     """The common metadata of a batch (block tables of at least `width` columns), in one H2D copy."""
     return device_metadata(flatten(batch, block_size, width), device)[0]
+
+
+def logits_index(batch: ForwardBatch) -> list[int] | None:
+    """The packed index of every logits row, each sequence's last `num_logits` tokens; None when that is
+    just each sequence's last token."""
+    if all(s.num_logits == 1 for s in batch.seqs):
+        return None
+    index, end = [], 0
+    for s in batch.seqs:
+        end += len(s.tokens)
+        if not 1 <= s.num_logits <= len(s.tokens):
+            raise ValueError(f"sequence {s.request_id!r}: num_logits {s.num_logits} is outside "
+                             f"1..{len(s.tokens)}")
+        index.extend(range(end - s.num_logits, end))
+    return index
 
 
 def packed_tokens(batch: ForwardBatch, device: torch.device) -> torch.Tensor:
