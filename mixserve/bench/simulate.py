@@ -16,6 +16,7 @@ alone never does. A `--profile` model times forwards only, not sampling and deto
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from mixserve.bench.workload import RequestSpec
 from mixserve.config import EngineConfig
 from mixserve.core import BlockPool, Chunked, Scheduler, SchedulerConfig, WholePrompt, plan
 from mixserve.core.cost_model import CostCoefficients, StepCostModel, TpotBudget, step_features
+from mixserve.core.speculative import Speculation
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class SimSettings:
     max_partial_prefills: int = EngineConfig.max_partial_prefills
     long_prefill_threshold: int = EngineConfig.long_prefill_threshold
     max_long_partial_prefills: int = EngineConfig.max_long_partial_prefills
+    speculative: str = EngineConfig.speculative
+    num_speculative_tokens: int = EngineConfig.num_speculative_tokens
 
     @classmethod
     def from_engine_config(cls, cfg: object) -> SimSettings:
@@ -67,6 +71,8 @@ def build_scheduler(s: SimSettings, cost: CostCoefficients, specs: Sequence[Requ
                           long_prefill_threshold=s.long_prefill_threshold,
                           max_long_partial_prefills=s.max_long_partial_prefills)
     sched = Scheduler(cfg, BlockPool(num_blocks))
+    if s.speculative:  # the replay's tokens are all alike, so every decode finds a draft
+        sched.with_speculation(Speculation(s.num_speculative_tokens, s.speculative))
     if s.tpot_target_ms > 0:  # as LLMEngine: the target sizes every chunk
         sched.with_prefill_policy(Chunked(s.max_batch_tokens))
         sched.with_step_budget(TpotBudget(StepCostModel(cost), s.tpot_target_ms / 1000.0), s.waiting_share)
@@ -76,10 +82,15 @@ def build_scheduler(s: SimSettings, cost: CostCoefficients, specs: Sequence[Requ
 
 
 def simulate(specs: Sequence[RequestSpec], cost: CostCoefficients, s: SimSettings,
-             noise: StepNoise | None = None, seed: int = 0) -> SimRun:
+             noise: StepNoise | None = None, seed: int = 0, acceptance: float = 0.7) -> SimRun:
     """Run every request to its last token; each step lasts what `cost` predicts for it (times a ratio
-    drawn from `noise` with `seed`, when given: the budget still plans by `cost`, and its margin learns)."""
+    drawn from `noise` with `seed`, when given: the budget still plans by `cost`, and its margin learns).
+    With speculation, each draft token is kept with probability `acceptance` once the ones before it were
+    (seeded): the per-token rate a live run's metrics give (accepted / drafts tested)."""
+    if not 0.0 <= acceptance <= 1.0:
+        raise ValueError(f"acceptance must be within 0..1, got {acceptance!r}")
     replay = noise.replay(seed) if noise is not None else None
+    draws = random.Random(seed)
     for x in specs:
         if x.prompt_len < 1 or x.output_len < 1:
             raise ValueError(f"request {x.index}: prompt_len and output_len must be >= 1 (a text prompt "
@@ -112,13 +123,22 @@ def simulate(specs: Sequence[RequestSpec], cost: CostCoefficients, s: SimSetting
                 sched.step_budget.model.step_drift.observe_residual(ratio)
         steps.append(StepRecord(clock, duration, len(out.decodes), out.num_tokens - len(out.decodes)))
         clock += duration
-        sampled = {rid: 1 for _, rid in p.sample}
-        for rid in sampled:
-            results[int(rid)].token_times.append(clock)
+        sampled = {rid: [1] * (kept_drafts(out.drafts.get(rid, ()), acceptance, draws) + 1)
+                   for _, rid in p.sample}
+        for rid, tokens in sampled.items():
+            results[int(rid)].token_times.extend([clock] * len(tokens))
         for rid in sched.update(out, sampled):
             results[int(rid)].end = clock
             sched.abort(rid)  # forget it: a long replay keeps only what it reports
     return SimRun([results[k] for k in sorted(results)], clock, steps)
+
+
+def kept_drafts(draft: Sequence[int], acceptance: float, draws: random.Random) -> int:
+    """How many of `draft` a replayed verification keeps: each with `acceptance`, until one is not."""
+    n = 0
+    while n < len(draft) and draws.random() < acceptance:
+        n += 1
+    return n
 
 
 def load_requests(path: str | Path) -> list[RequestSpec]:

@@ -47,6 +47,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seeds", type=int, default=1,
                    help="with --noise-from: replay this many noise seeds and print each one's stalls and "
                         "long-prompt TTFT (the report is the first seed's; default %(default)s)")
+    p.add_argument("--spec-acceptance", type=float, default=0.7, metavar="RATE",
+                   help="with --speculative ngram: the chance a draft token is kept once the ones before it "
+                        "were (a live run's accepted / tested drafts; default 0.7)")
     p.add_argument("--out", help="write the JSON report here")
     p.add_argument("--plot", help="write the bench's picture of the run (CDFs, tokens over time) here")
     p.add_argument("--timeline", help="write the step timeline picture here")
@@ -90,7 +93,8 @@ def simulate_command(args: argparse.Namespace) -> int:
             raise ValueError("--seeds must be >= 1, and more than 1 needs --noise-from (without noise every "
                              "seed replays the same run)")
         noise = StepNoise.from_traces(args.noise_from) if args.noise_from else None
-        runs = [simulate(specs, model.coefficients, settings, noise, seed) for seed in range(args.seeds)]
+        runs = [simulate(specs, model.coefficients, settings, noise, seed, args.spec_acceptance)
+                for seed in range(args.seeds)]
     except (ConfigError, ValueError, OSError) as e:
         print(f"mixserve simulate: {e}", file=sys.stderr)
         return 2

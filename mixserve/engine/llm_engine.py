@@ -223,7 +223,8 @@ class LLMEngine:
         finished = self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
         updates, prompt_tokens = self._postprocess(sampled, set(finished))
         updates = self.choices.after_step(self, updates)
-        return self._end_step(start, wall, out, len(step_plan.batch.seqs), prompt_tokens, updates)
+        accepted = sum(len(tokens) - 1 for tokens, _ in sampled.values() if isinstance(tokens, list))
+        return self._end_step(start, wall, out, len(step_plan.batch.seqs), prompt_tokens, updates, accepted)
 
     def _postprocess(self, sampled: Sampled, finished_by_length: set[str]) -> tuple[list[RequestUpdate], int]:
         """Detokenize, check stops, end finished requests; returns the updates and new prompt tokens."""
@@ -246,16 +247,17 @@ class LLMEngine:
         return updates, prompt_tokens
 
     def _end_step(self, start: float, wall: float, out: ScheduleOutput, num_seqs: int, prompt_tokens: int,
-                  updates: list[RequestUpdate]) -> list[RequestUpdate]:
-        """Count the step and write its trace line."""
+                  updates: list[RequestUpdate], accepted: int = 0) -> list[RequestUpdate]:
+        """Count the step and write its trace line (`accepted`: the draft tokens it kept)."""
         duration = time.monotonic() - start
         self._cost_fields = self.step_cost.end(duration)
         self._num_steps += 1
         self._prompt_tokens += prompt_tokens
-        self._generation_tokens += len(updates)
+        self._generation_tokens += sum(len(u.new_token_ids) for u in updates)
         if self._trace is not None:
-            self._trace.write(self._num_steps, wall, len(out.decodes), out.num_tokens, num_seqs, duration,
-                              self._cost_fields)
+            drafts = {"draft_tokens": out.num_draft_tokens, "accepted_tokens": accepted} if out.drafts else {}
+            self._trace.write(self._num_steps, wall, len(out.decodes) + out.num_draft_tokens, out.num_tokens,
+                              num_seqs, duration, {**self._cost_fields, **drafts})
         self._stats_log.maybe_log(self.stats)
         return updates
 

@@ -50,7 +50,11 @@ class StatsLog:
         prompt, gen, queries, hits = (now - last for now, last in zip(totals, self._last, strict=True))
         self._last = totals
         since_start = _pct(sch.prefix_cache_hits, sch.prefix_cache_queries)
+        spec = ""
+        if sch.spec_num_draft_tokens:  # speculation on and drafting: how many drafts are kept, since start
+            spec = (f", drafts accepted {_pct(sch.spec_num_accepted_tokens, sch.spec_num_draft_tokens)} "
+                    f"({sch.spec_num_accepted_tokens / max(sch.spec_num_drafts, 1):.2f} per draft)")
         return (f"engine: {sch.num_requests_running} running, {sch.num_requests_waiting} waiting, "
                 f"prompt {prompt / elapsed:.1f} tok/s, generation {gen / elapsed:.1f} tok/s, "
                 f"KV cache {100.0 * sch.kv_cache_usage:.1f}% used, prefix cache hit rate "
-                f"{_pct(hits, queries)} ({since_start} since start), {sch.num_preemptions} preemptions")
+                f"{_pct(hits, queries)} ({since_start} since start), {sch.num_preemptions} preemptions{spec}")

@@ -34,8 +34,9 @@ class GcClock:
 
 class StepTrace:
     """A JSONL file of steps: index, wall time, decode and prefill tokens, sequences, duration, the seconds
-    of garbage collection since the previous line (gc_s), and the step cost model's fields while a TPOT
-    target is on."""
+    of garbage collection since the previous line (gc_s), the step cost model's fields while a TPOT
+    target is on, and with speculation the draft tokens verified and accepted (decode_tokens counts the
+    drafts too: they are the decodes' rows)."""
 
     def __init__(self, path: str) -> None:
         self._file: IO[str] | None = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open until close()

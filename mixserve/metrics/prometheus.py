@@ -65,6 +65,16 @@ class ServerMetrics:
                                      buckets=STEP_TOKEN_BUCKETS, registry=r)
         self.engine_restarts = Counter("mixserve:engine_restarts", "Failed steps that restarted the engine.",
                                        registry=r)
+        # speculative decoding (vLLM's names): decodes that carried drafts, draft tokens, those kept
+        self.spec_drafts = Counter("mixserve:spec_decode_num_drafts", "Decodes that carried draft tokens.",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("mixserve:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("mixserve:spec_decode_num_accepted_tokens",
+                                            "Draft tokens accepted.", registry=r)
+        self.spec_accepted_per_pos = Counter("mixserve:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by position in the draft (0: first).",
+                                             ["position"], registry=r)
         self._totals_seen: dict[Counter, int] = {}  # the engine's totals at the last observe_stats
         # the step cost model, while a TPOT target is on (docs/latency-target.md)
         self.step_predicted = Gauge("mixserve:step_cost_predicted_seconds",
@@ -94,7 +104,11 @@ class ServerMetrics:
         self.waiting.set(stats.num_requests_waiting + extra_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         totals = {self.preemptions: stats.num_preemptions, self.prefix_queries: stats.prefix_cache_queries,
-                  self.prefix_hits: stats.prefix_cache_hits}
+                  self.prefix_hits: stats.prefix_cache_hits, self.spec_drafts: stats.spec_num_drafts,
+                  self.spec_draft_tokens: stats.spec_num_draft_tokens,
+                  self.spec_accepted_tokens: stats.spec_num_accepted_tokens}
+        totals.update({self.spec_accepted_per_pos.labels(str(i)): n
+                       for i, n in enumerate(stats.spec_accepted_per_pos)})
         if engine is not None:
             totals[self.prompt_tokens] = engine.num_prompt_tokens_total
             totals[self.generation_tokens] = engine.num_generation_tokens_total
