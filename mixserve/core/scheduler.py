@@ -94,14 +94,6 @@ class Scheduler:
                 if self._reserve(r, len(r.tokens), step):
                     step.decodes[r.request_id] = None
                     r.num_computed += 1
-        # 1b. Their drafts, oldest first, in what the budget (and the target) leaves after every decode.
-        for rid in list(step.decodes) if self.speculation is not None else ():
-            r = self._requests[rid]
-            limit = min(step.budget_left, r.max_tokens - r.num_generated - 1)  # the last row samples too
-            if self.step_budget is not None and limit > 0:
-                limit = self.step_budget.chunk_budget(self._features(step), len(r.tokens), limit)
-            book_draft(r, step, self.speculation.propose(r, limit), self.cfg.block_size,
-                       lambda r, upto: self._reserve(r, upto, step, may_preempt=False))
         # 2. Requests part-way through their prefill, oldest first. Under a target (and with decodes to
         #    protect), waiting prompts that fit whole within their share of the step's time go before them.
         partial = PartialPrefills(self.cfg, (r.prefill_end for r in self._running if r.is_prefilling))
@@ -122,6 +114,15 @@ class Scheduler:
         # 3. Waiting requests in arrival order; one that cannot start holds back those behind it, except a
         #    long prompt over max_long_partial_prefills: shorter ones may pass it (prefill_limits.py).
         self._admit_waiting(step, partial)
+        # 4. Drafts, oldest decode first, in what the budget (and target) leaves, free blocks only: a draft is
+        #    worth less than any decode or chunk (docs/decisions/speculative-decoding.md).
+        for rid in list(step.decodes) if self.speculation is not None else ():
+            r = self._requests[rid]
+            limit = min(step.budget_left, r.max_tokens - r.num_generated - 1)  # the last row samples too
+            if self.step_budget is not None and limit > 0:
+                limit = self.step_budget.chunk_budget(self._features(step), len(r.tokens), limit)
+            book_draft(r, step, self.speculation.propose(r, limit), self.cfg.block_size,
+                       lambda r, upto: self._reserve(r, upto, step, may_preempt=False))
         self._last_step = step.output()
         return self._last_step
 
@@ -231,6 +232,8 @@ class Scheduler:
             if rid not in sampled:
                 raise ValueError(f"no sampled token for request {rid!r}")
             token = sampled[rid]
+            if isinstance(token, Sequence) and rid not in kept and len(token) != 1:
+                raise ValueError(f"request {rid!r}: {len(token)} tokens sampled for a row without drafts")
             r.tokens.append(int(token[-1] if isinstance(token, Sequence) else token))
             if rid in kept:
                 trim_blocks(r, self.blocks, self.cfg.block_size)
@@ -265,7 +268,6 @@ class Scheduler:
             del self._requests[oldest]
 
     # ---- reading state -------------------------------------------------------------------------
-
     def has_unfinished(self) -> bool:
         return bool(self._running or self._waiting)
 
@@ -286,10 +288,8 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         last = self._last_step
         return SchedulerStats(
-            num_requests_running=len(self._running),
-            num_requests_waiting=len(self._waiting),
-            num_blocks=self.cfg.num_blocks,
-            num_free_blocks=self.blocks.num_free(),
+            num_requests_running=len(self._running), num_requests_waiting=len(self._waiting),
+            num_blocks=self.cfg.num_blocks, num_free_blocks=self.blocks.num_free(),
             num_preemptions=self._num_preemptions,
             step_decode_tokens=len(last.decodes) + last.num_draft_tokens,
             step_prefill_tokens=last.num_tokens - len(last.decodes) - last.num_draft_tokens,

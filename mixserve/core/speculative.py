@@ -19,13 +19,13 @@ if TYPE_CHECKING:  # request.py imports SpecStats from here
 NGRAM_MAX = 4
 NGRAM_MIN = 2
 # The per-token acceptance rate starts from this prior (as if PRIOR_TESTED tokens had been tested), is
-# re-estimated from decayed counts, and a draft position is tried while rate**position >= MIN_GAIN: the
-# chance that the position's token is kept.
+# re-estimated from counts that decay (the prior's weight too), and a draft position is tried while
+# rate**position >= MIN_GAIN: the chance that the position's token is kept, against a row's cost.
 PRIOR_RATE, PRIOR_TESTED = 0.75, 4.0
 DECAY = 0.9
 MIN_GAIN = 0.15
 # A request whose rate has fallen below MIN_GAIN drafts nothing; after this many decode steps its counts
-# are halved back towards the prior, so a request whose text starts to repeat is tried again.
+# are halved and the prior's weight restored, so a request whose text starts to repeat is tried again.
 PROBE_AFTER = 32
 
 
@@ -61,6 +61,7 @@ class SpecStats:
 
     accepted: float = 0.0
     tested: float = 0.0
+    prior_weight: float = PRIOR_TESTED
     idle_steps: int = 0
     index: NgramIndex = field(default_factory=NgramIndex)
     enabled: bool = True  # False: never drafts (a request with a grammar: its mask follows each token)
@@ -68,7 +69,7 @@ class SpecStats:
     @property
     def rate(self) -> float:
         """Estimated chance that a draft token is accepted, given the ones before it were."""
-        return (self.accepted + PRIOR_RATE * PRIOR_TESTED) / (self.tested + PRIOR_TESTED)
+        return (self.accepted + PRIOR_RATE * self.prior_weight) / (self.tested + self.prior_weight)
 
     def draft_len(self, k: int) -> int:
         """How many of k drafts are worth a row this step (0: speculation is off for it for now)."""
@@ -81,6 +82,7 @@ class SpecStats:
             self.idle_steps += 1
             if self.idle_steps >= PROBE_AFTER:
                 self.accepted, self.tested, self.idle_steps = self.accepted / 2, self.tested / 2, 0
+                self.prior_weight = PRIOR_TESTED
         return n
 
     def record(self, drafted: int, accepted: int) -> None:
@@ -88,6 +90,7 @@ class SpecStats:
         tested = accepted + (1 if accepted < drafted else 0)
         self.accepted = DECAY * self.accepted + accepted
         self.tested = DECAY * self.tested + tested
+        self.prior_weight *= DECAY
         if accepted:
             self.idle_steps = 0
 
