@@ -106,7 +106,7 @@ class Speculation:
         if self.method != "ngram":
             raise ValueError(f"speculative: unknown method {self.method!r}")
         if not isinstance(self.num_tokens, int) or self.num_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_tokens!r}")
+            raise ValueError(f"num_speculative_tokens: must be an integer >= 1, got {self.num_tokens!r}")
 
     def propose(self, r: Request, limit: int) -> list[int]:
         """This step's drafts for `r`: at most min(k, limit), fewer when its acceptance rate is low."""
