@@ -19,8 +19,7 @@ from mixserve.core.stats import SchedulerStats
 from mixserve.core.step_draft import StepDraft
 from mixserve.core.waiting_share import WAITING_SHARE, WaitingShare
 
-# Finished requests stay readable (output, tokens) until this many newer ones have finished, or until
-# abort() forgets them, so that a long-running server does not keep every answer forever.
+# Finished requests stay readable until this many newer ones have finished (or abort() forgets them).
 MAX_FINISHED_KEPT = 10_000
 
 
@@ -114,14 +113,15 @@ class Scheduler:
         # 3. Waiting requests in arrival order; one that cannot start holds back those behind it, except a
         #    long prompt over max_long_partial_prefills: shorter ones may pass it (prefill_limits.py).
         self._admit_waiting(step, partial)
-        # 4. Drafts, oldest decode first, in what the budget (and target) leaves, free blocks only: a draft is
-        #    worth less than any decode or chunk (docs/decisions/speculative-decoding.md).
-        for rid in list(step.decodes) if self.speculation is not None else ():
+        # 4. Drafts (where the gate lets them), oldest decode first, in what the budget and target leave, free
+        #    blocks only: a draft is worth less than any decode or chunk (decisions/speculative-decoding.md).
+        spec = self.speculation
+        for rid in list(step.decodes) if spec is not None and spec.gate.allows(len(step.decodes)) else ():
             r = self._requests[rid]
             limit = min(step.budget_left, r.max_tokens - r.num_generated - 1)  # the last row samples too
             if self.step_budget is not None and limit > 0:
                 limit = self.step_budget.chunk_budget(self._features(step), len(r.tokens), limit)
-            book_draft(r, step, self.speculation.propose(r, limit), self.cfg.block_size,
+            book_draft(r, step, spec.propose(r, limit), self.cfg.block_size,  # type: ignore[union-attr]
                        lambda r, upto: self._reserve(r, upto, step, may_preempt=False))
         self._last_step = step.output()
         return self._last_step

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mixserve.core.draft_gate import DraftGate
+
 if TYPE_CHECKING:  # request.py imports SpecStats from here
     from mixserve.core.request import Request
 
@@ -101,6 +103,7 @@ class Speculation:
 
     num_tokens: int = 4
     method: str = "ngram"
+    gate: DraftGate = field(default_factory=DraftGate)  # drafts on where they are measured to pay
 
     def __post_init__(self) -> None:
         if self.method != "ngram":

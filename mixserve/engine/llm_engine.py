@@ -251,6 +251,9 @@ class LLMEngine:
         """Count the step and write its trace line (`accepted`: the draft tokens it kept)."""
         duration = time.monotonic() - start
         self._cost_fields = self.step_cost.end(duration)
+        spec = self.scheduler.speculation
+        if spec is not None and out.decodes and not out.chunks:  # what drafts buy at this many decodes
+            spec.gate.observe(len(out.decodes), bool(out.drafts), len(out.decodes) + accepted, duration)
         self._num_steps += 1
         self._prompt_tokens += prompt_tokens
         self._generation_tokens += sum(len(u.new_token_ids) for u in updates)

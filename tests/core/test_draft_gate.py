@@ -1,0 +1,52 @@
+"""The draft gate: drafts where they are measured to pay, per bucket of decodes, the other mode probed."""
+
+from __future__ import annotations
+
+from mixserve.core.draft_gate import PROBE_EVERY, DraftGate
+
+
+def probes(steps: int) -> int:
+    """Steps 3..steps that a bucket probes on (its first two measure either mode)."""
+    return sum(1 for i in range(3, steps + 1) if i % PROBE_EVERY == 0)
+
+
+def settle(gate: DraftGate, decodes: int, with_rate: float, without_rate: float, steps: int) -> list[bool]:
+    """Run `steps` decode-only steps whose tokens/s depend on the mode the gate picks; its choices."""
+    choices = []
+    for _ in range(steps):
+        drafted = gate.allows(decodes)
+        choices.append(drafted)
+        gate.observe(decodes, drafted, 100, 100 / (with_rate if drafted else without_rate))
+    return choices
+
+
+def test_drafts_first_then_a_baseline_then_the_faster_mode() -> None:
+    gate = DraftGate()
+    choices = settle(gate, 1, with_rate=180.0, without_rate=90.0, steps=4 * PROBE_EVERY)
+    assert choices[:2] == [True, False]  # drafts tried, then one step without for a baseline
+    assert choices[2:].count(False) == probes(len(choices))  # only the probes go without
+    assert gate.rates()[1] == (90.0, 180.0)
+
+
+def test_where_drafts_lose_they_are_off_but_for_the_probes() -> None:
+    gate = DraftGate()
+    choices = settle(gate, 16, with_rate=100.0, without_rate=130.0, steps=4 * PROBE_EVERY)
+    assert choices[2:].count(True) == probes(len(choices))
+
+
+def test_buckets_are_separate_and_a_change_is_followed() -> None:
+    gate = DraftGate()
+    settle(gate, 1, 200.0, 100.0, 40)
+    settle(gate, 16, 100.0, 150.0, 40)
+    assert settle(gate, 3, 100.0, 150.0, 2) == [True, False]  # 2-3 decodes: a bucket of its own, new
+    # one stream's drafts stop paying (e.g. nothing left to copy): the probes see it, the gate turns
+    choices = settle(gate, 1, 50.0, 100.0, 20 * PROBE_EVERY)
+    assert choices[-PROBE_EVERY:].count(True) <= 1
+
+
+def test_bad_observations_are_ignored() -> None:
+    gate = DraftGate()
+    gate.observe(0, True, 5, 1.0)
+    gate.observe(4, True, 5, 0.0)
+    assert gate.rates() == {}
+    assert gate.allows(4)
