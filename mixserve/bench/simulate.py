@@ -127,9 +127,11 @@ def simulate(specs: Sequence[RequestSpec], cost: CostCoefficients, s: SimSetting
                    for _, rid in p.sample}
         for rid, tokens in sampled.items():
             results[int(rid)].token_times.extend([clock] * len(tokens))
-        if sched.speculation is not None and out.decodes and not out.chunks:  # as the engine's step loop
-            sched.speculation.gate.observe(len(out.decodes), bool(out.drafts),
-                                           sum(len(t) for t in sampled.values()), duration)
+        if sched.speculation is not None and out.decodes:  # as the engine's step loop
+            useful = len(out.decodes) + sum(len(t) - 1 for t in sampled.values()) + \
+                sum(c.length for c in out.chunks)
+            sched.speculation.gate.observe(len(out.decodes), bool(out.drafts), useful, duration,
+                                           bool(out.chunks))
         for rid in sched.update(out, sampled):
             results[int(rid)].end = clock
             sched.abort(rid)  # forget it: a long replay keeps only what it reports

@@ -19,8 +19,7 @@ from mixserve.core.stats import SchedulerStats
 from mixserve.core.step_draft import StepDraft
 from mixserve.core.waiting_share import WAITING_SHARE, WaitingShare
 
-# Finished requests stay readable until this many newer ones have finished (or abort() forgets them).
-MAX_FINISHED_KEPT = 10_000
+MAX_FINISHED_KEPT = 10_000  # finished requests kept readable (abort() forgets one sooner)
 
 
 class Scheduler:
@@ -116,7 +115,8 @@ class Scheduler:
         # 4. Drafts (where the gate lets them), oldest decode first, in what the budget and target leave, free
         #    blocks only: a draft is worth less than any decode or chunk (decisions/speculative-decoding.md).
         spec = self.speculation
-        for rid in list(step.decodes) if spec is not None and spec.gate.allows(len(step.decodes)) else ():
+        gate_open = spec is not None and spec.gate.allows(len(step.decodes), bool(step.chunks))
+        for rid in list(step.decodes) if gate_open else ():
             r = self._requests[rid]
             limit = min(step.budget_left, r.max_tokens - r.num_generated - 1)  # the last row samples too
             if self.step_budget is not None and limit > 0:

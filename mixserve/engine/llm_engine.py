@@ -252,8 +252,9 @@ class LLMEngine:
         duration = time.monotonic() - start
         self._cost_fields = self.step_cost.end(duration)
         spec = self.scheduler.speculation
-        if spec is not None and out.decodes and not out.chunks:  # what drafts buy at this many decodes
-            spec.gate.observe(len(out.decodes), bool(out.drafts), len(out.decodes) + accepted, duration)
+        if spec is not None and out.decodes:  # what drafts buy at this many decodes
+            useful = len(out.decodes) + accepted + sum(c.length for c in out.chunks)
+            spec.gate.observe(len(out.decodes), bool(out.drafts), useful, duration, bool(out.chunks))
         self._num_steps += 1
         self._prompt_tokens += prompt_tokens
         self._generation_tokens += sum(len(u.new_token_ids) for u in updates)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from mixserve.core.draft_gate import PROBE_EVERY, DraftGate
+from mixserve.core.speculative import Speculation
+from tests.core.fake_runner import FakeRunner, looping_token, make_scheduler, run_step
 
 
 def probes(steps: int) -> int:
@@ -25,7 +27,7 @@ def test_drafts_first_then_a_baseline_then_the_faster_mode() -> None:
     choices = settle(gate, 1, with_rate=180.0, without_rate=90.0, steps=4 * PROBE_EVERY)
     assert choices[:2] == [True, False]  # drafts tried, then one step without for a baseline
     assert choices[2:].count(False) == probes(len(choices))  # only the probes go without
-    assert gate.rates()[1] == (90.0, 180.0)
+    assert gate.rates()[(1, False)] == (90.0, 180.0)
 
 
 def test_where_drafts_lose_they_are_off_but_for_the_probes() -> None:
@@ -44,9 +46,33 @@ def test_buckets_are_separate_and_a_change_is_followed() -> None:
     assert choices[-PROBE_EVERY:].count(True) <= 1
 
 
+def test_steps_with_chunks_are_measured_apart() -> None:
+    gate = DraftGate()
+    settle(gate, 1, 200.0, 100.0, 40)  # decode-only: drafts win
+    choices = []
+    for _ in range(40):  # beside chunks they lose
+        drafted = gate.allows(1, chunks=True)
+        choices.append(drafted)
+        gate.observe(1, drafted, 100, 100 / (80.0 if drafted else 120.0), chunks=True)
+    assert choices[2:].count(True) == probes(len(choices))
+    assert gate.allows(1) or gate.allows(1)
+
+
 def test_bad_observations_are_ignored() -> None:
     gate = DraftGate()
     gate.observe(0, True, 5, 1.0)
     gate.observe(4, True, 5, 0.0)
     assert gate.rates() == {}
     assert gate.allows(4)
+
+
+def test_the_scheduler_books_no_drafts_where_the_gate_measured_them_losing() -> None:
+    spec = Speculation(4)
+    s = make_scheduler(64, speculation=spec)
+    s.add_request("a", [1, 2, 3, 4, 5] * 4, 200)
+    runner = FakeRunner(s.cfg.num_blocks, s.cfg.block_size, model=looping_token)
+    assert any(run_step(s, runner)[0].drafts for _ in range(20))  # nothing measured yet: drafts tried
+    spec.gate.observe(1, True, 10, 1.0)
+    spec.gate.observe(1, False, 10, 0.5)  # without drafts twice as fast
+    drafted = sum(bool(run_step(s, runner)[0].drafts) for _ in range(2 * PROBE_EVERY))
+    assert drafted <= 2  # the probes at most

@@ -13,7 +13,14 @@ from typing import Any
 import pytest
 
 from mixserve import SamplingParams
+from mixserve.core.draft_gate import DraftGate
 from mixserve.engine.sampling_params import StructuredOutput
+
+
+@pytest.fixture(autouse=True)
+def drafts_always_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check what drafts do, not when the gate (timed, so not repeatable) lets them run."""
+    monkeypatch.setattr(DraftGate, "allows", lambda self, num_decodes, chunks=False: True)
 
 
 def repeating(n: int, seed: int = 0) -> list[list[int]]:

@@ -12,7 +12,14 @@ import pytest
 
 from mixserve import SamplingParams
 from mixserve.config import EngineConfig
+from mixserve.core.draft_gate import DraftGate
 from mixserve.engine import LLMEngine
+
+
+@pytest.fixture(autouse=True)
+def drafts_always_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check what drafts do, not when the gate (timed, so not repeatable) lets them run."""
+    monkeypatch.setattr(DraftGate, "allows", lambda self, num_decodes, chunks=False: True)
 
 
 def repeating(n: int, seed: int = 0) -> list[list[int]]:
