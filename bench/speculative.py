@@ -178,7 +178,11 @@ def main() -> None:
         for r in range(rounds):
             for spec in ((False, True) if r % 2 == 0 else (True, False)):
                 key = f"{system} {'ngram' if spec else 'off'}"
-                result = measure(system, spec, args.port, loads)
+                try:
+                    result = measure(system, spec, args.port, loads)
+                except (RuntimeError, OSError) as e:  # a peer that cannot serve this setting
+                    print(f"  {key}: {e}", flush=True)
+                    continue
                 for name, row in result.items():
                     runs.setdefault(key, {}).setdefault(name, []).append(row)
     head = " ".join(f"{n:>14}" for n in loads)
