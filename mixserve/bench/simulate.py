@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +27,8 @@ from mixserve.bench.trace import StepRecord
 from mixserve.bench.workload import RequestSpec
 from mixserve.config import EngineConfig
 from mixserve.core import BlockPool, Chunked, Scheduler, SchedulerConfig, WholePrompt, plan
-from mixserve.core.cost_model import CostCoefficients, StepCostModel, TpotBudget, step_features
+from mixserve.core.cost_model import CostCoefficients, StepCostModel, step_features
+from mixserve.core.slo import step_budget_for
 from mixserve.core.speculative import Speculation
 
 
@@ -43,6 +44,8 @@ class SimSettings:
     num_blocks: int = EngineConfig.num_blocks
     tpot_target_ms: float = EngineConfig.tpot_target_ms
     waiting_share: float = EngineConfig.waiting_share
+    slo_ttft_ms: float = EngineConfig.slo_ttft_ms
+    slo_tpot_ms: float = EngineConfig.slo_tpot_ms
     max_partial_prefills: int = EngineConfig.max_partial_prefills
     long_prefill_threshold: int = EngineConfig.long_prefill_threshold
     max_long_partial_prefills: int = EngineConfig.max_long_partial_prefills
@@ -63,8 +66,10 @@ class SimRun:
     steps: list[StepRecord]
 
 
-def build_scheduler(s: SimSettings, cost: CostCoefficients, specs: Sequence[RequestSpec]) -> Scheduler:
-    """The scheduler as the engine builds it from the same settings."""
+def build_scheduler(s: SimSettings, cost: CostCoefficients, specs: Sequence[RequestSpec],
+                    clock: Callable[[], float] = lambda: 0.0) -> Scheduler:
+    """The scheduler as the engine builds it from the same settings; `clock`: the replay's time (the
+    SLO mode reads it)."""
     num_blocks = s.num_blocks or sum(-(-(x.prompt_len + x.output_len) // s.block_size) for x in specs) + 1
     cfg = SchedulerConfig(s.max_batch_tokens, s.max_num_seqs, s.block_size, num_blocks,
                           max_partial_prefills=s.max_partial_prefills,
@@ -73,9 +78,10 @@ def build_scheduler(s: SimSettings, cost: CostCoefficients, specs: Sequence[Requ
     sched = Scheduler(cfg, BlockPool(num_blocks))
     if s.speculative:  # the replay's tokens are all alike, so every decode finds a draft
         sched.with_speculation(Speculation(s.num_speculative_tokens, s.speculative))
-    if s.tpot_target_ms > 0:  # as LLMEngine: the target sizes every chunk
+    budget = step_budget_for(StepCostModel(cost), s.tpot_target_ms, s.slo_ttft_ms, s.slo_tpot_ms, clock)
+    if budget is not None:  # as LLMEngine: the target (or the SLO mode) sizes every chunk
         sched.with_prefill_policy(Chunked(s.max_batch_tokens))
-        sched.with_step_budget(TpotBudget(StepCostModel(cost), s.tpot_target_ms / 1000.0), s.waiting_share)
+        sched.with_step_budget(budget, s.waiting_share)
     else:
         sched.with_prefill_policy(Chunked(s.prefill_chunk) if s.prefill_chunk > 0 else WholePrompt())
     return sched
@@ -95,13 +101,14 @@ def simulate(specs: Sequence[RequestSpec], cost: CostCoefficients, s: SimSetting
         if x.prompt_len < 1 or x.output_len < 1:
             raise ValueError(f"request {x.index}: prompt_len and output_len must be >= 1 (a text prompt "
                              "has no known length: simulate needs token counts)")
-    sched = build_scheduler(s, cost, specs)
+    clock = 0.0
+    sched = build_scheduler(s, cost, specs, lambda: clock)
     pending = sorted(specs, key=lambda x: (x.arrival_s, x.index))
     results = {x.index: RequestResult(x.index, x.kind, x.prompt_len, x.output_len, ok=True, start=x.arrival_s,
                                       prompt_tokens=x.prompt_len, completion_tokens=x.output_len)
                for x in specs}
     steps: list[StepRecord] = []
-    clock, i = 0.0, 0
+    i = 0
     while i < len(pending) or sched.has_unfinished():
         while i < len(pending) and pending[i].arrival_s <= clock:  # joins between steps, as in the engine
             x = pending[i]

@@ -50,6 +50,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--spec-acceptance", type=float, default=0.7, metavar="RATE",
                    help="with --speculative ngram: the chance a draft token is kept once the ones before it "
                         "were (a live run's accepted / tested drafts; default 0.7)")
+    p.add_argument("--slo-ttft", type=float, help="goodput: TTFT SLO in seconds (default: --slo-ttft-ms)")
+    p.add_argument("--slo-tpot", type=float, help="goodput: TPOT SLO in seconds (default: --slo-tpot-ms)")
     p.add_argument("--out", help="write the JSON report here")
     p.add_argument("--plot", help="write the bench's picture of the run (CDFs, tokens over time) here")
     p.add_argument("--timeline", help="write the step timeline picture here")
@@ -99,7 +101,8 @@ def simulate_command(args: argparse.Namespace) -> int:
         print(f"mixserve simulate: {e}", file=sys.stderr)
         return 2
     run = runs[0]
-    reports = [simulated_report(r, desc, settings, model, cfg.cost_model, args.stall_threshold) for r in runs]
+    reports = [simulated_report(r, desc, settings, model, cfg.cost_model, args.stall_threshold,
+                                (args.slo_ttft, args.slo_tpot)) for r in runs]
     report = reports[0]
     if noise is not None:
         report["noise"] = {"traces": args.noise_from, "seeds": seed_rows(reports)}
@@ -150,18 +153,24 @@ def settings_label(s: Any) -> str:
     what = f"chunk {s.prefill_chunk}" if s.prefill_chunk else "WholePrompt"
     if s.tpot_target_ms:
         what = f"target {s.tpot_target_ms:g} ms"
+    if s.slo_ttft_ms or s.slo_tpot_ms:
+        what = f"SLO mode (TTFT {s.slo_ttft_ms:g} ms, TPOT {s.slo_tpot_ms:g} ms)"
     return f"{what}, budget {s.max_batch_tokens}"
 
 
 def simulated_report(run: Any, desc: dict, settings: Any, model: StepCostModel, path: str,
-                     stall_threshold: float) -> dict:
+                     stall_threshold: float, slo: tuple[float | None, float | None] = (None, None)) -> dict:
     """The bench's JSON report of a simulated run, with its steps and the cost model it used."""
     from mixserve.bench.run import request_records
     from mixserve.bench.sweep import step_summary
 
     info = dict(desc, simulated=True, label=settings_label(settings), cost_model=path,
                 cost_coefficients=asdict(model.coefficients), **asdict(settings))
-    report = build_report(run.results, run.duration_s, settings=info, stall_threshold=stall_threshold)
+    # with an SLO set, goodput counts the requests that met it (the bench's --slo-ttft / --slo-tpot)
+    slo_ttft = slo[0] if slo[0] is not None else settings.slo_ttft_ms / 1000 or None
+    slo_tpot = slo[1] if slo[1] is not None else settings.slo_tpot_ms / 1000 or None
+    report = build_report(run.results, run.duration_s, settings=info, stall_threshold=stall_threshold,
+                          slo_ttft=slo_ttft, slo_tpot=slo_tpot)
     report["requests"] = request_records(run.results)
     report["steps"] = step_summary(run.steps)
     return report

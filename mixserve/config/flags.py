@@ -34,6 +34,8 @@ ENGINE_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "--step-trace": ("step_trace", str),
     "--tpot-target-ms": ("tpot_target_ms", float),
     "--waiting-share": ("waiting_share", float),
+    "--slo-ttft-ms": ("slo_ttft_ms", float),
+    "--slo-tpot-ms": ("slo_tpot_ms", float),
     "--max-partial-prefills": ("max_partial_prefills", int),
     "--long-prefill-threshold": ("long_prefill_threshold", int),
     "--max-long-partial-prefills": ("max_long_partial_prefills", int),

@@ -22,6 +22,8 @@ class EngineConfig:
     step_trace: str = ""
     tpot_target_ms: float = 0
     waiting_share: float = 0.15  # core/waiting_share.py
+    slo_ttft_ms: float = 0  # serve to an SLO (core/slo.py); 0 = off
+    slo_tpot_ms: float = 0  # supersedes tpot_target_ms when set
     max_partial_prefills: int = 0
     long_prefill_threshold: int = 0
     max_long_partial_prefills: int = 0

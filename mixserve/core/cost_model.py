@@ -7,9 +7,9 @@ import json
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from itertools import combinations
 from pathlib import Path
 
+from mixserve.core.least_squares import nonnegative_fit
 from mixserve.core.step_drift import StepDrift
 
 # Features are scaled before the fit so the normal equations stay well conditioned: a step holds up to
@@ -17,11 +17,11 @@ from mixserve.core.step_drift import StepDrift
 TOKEN_SCALE = 1e3
 PAIR_SCALE = 1e6
 SEQ_SCALE = 1e2
-NUM_FEATURES = 4  # 1, tokens, pairs, sequences
+NUM_FEATURES = 5  # 1, tokens, pairs, sequences, decodes beside a chunk
 # Each size bucket (tokens per step, by powers of two) forgets with this window (in its own steps): a run
 # of many decode-only steps then cannot wash out what the rarer big prefill steps taught the fit.
 DEFAULT_WINDOW = 64
-FORMAT = "mixserve-step-cost/2"  # /2: per_seq_s; a /1 file loads (per_seq_s 0)
+FORMAT = "mixserve-step-cost/3"  # /3: per_mixed_decode_s, /2: per_seq_s; older files load (those 0)
 
 
 def attended_pairs(start: int, length: int) -> int:
@@ -35,17 +35,25 @@ class StepFeatures:
 
     The sequences are a feature of their own because a decode costs more than a prompt token: each
     sequence is one more row of the LM head and one more attention call, paid per row and not per token
-    (docs/decisions/step-cost-per-sequence.md).
+    (docs/decisions/step-cost-per-sequence.md). The decodes (one-token sequences) are counted too: beside
+    a chunk a decode may cost other than alone (its rows go through the chunk's kernels), which decides
+    between mixed and exclusive steps (core/slo.py).
     """
 
     num_tokens: int = 0
     num_pairs: int = 0
     num_seqs: int = 0
+    num_decodes: int = 0
 
     def plus(self, start: int, length: int) -> StepFeatures:
         """These features with one more sequence of `length` tokens at positions `start ..`."""
         return StepFeatures(self.num_tokens + length, self.num_pairs + attended_pairs(start, length),
-                            self.num_seqs + 1)
+                            self.num_seqs + 1, self.num_decodes + (length == 1))
+
+    @property
+    def num_mixed_decodes(self) -> int:
+        """Decodes in a step that also holds a chunk (0 in a decode-only step)."""
+        return self.num_decodes if self.num_seqs > self.num_decodes else 0
 
 
 def step_features(seqs: Iterable[tuple[int, int]]) -> StepFeatures:
@@ -59,23 +67,25 @@ def step_features(seqs: Iterable[tuple[int, int]]) -> StepFeatures:
 @dataclass(frozen=True)
 class CostCoefficients:
     """Step time = overhead_s + per_token_s * tokens + per_pair_s * attended (token, position) pairs
-    + per_seq_s * sequences."""
+    + per_seq_s * sequences + per_mixed_decode_s * decodes beside a chunk."""
 
     overhead_s: float = 0.0
     per_token_s: float = 0.0
     per_pair_s: float = 0.0
     per_seq_s: float = 0.0
+    per_mixed_decode_s: float = 0.0
 
     def predict(self, f: StepFeatures) -> float:
         return self.overhead_s + self.per_token_s * f.num_tokens + self.per_pair_s * f.num_pairs + \
-            self.per_seq_s * f.num_seqs
+            self.per_seq_s * f.num_seqs + self.per_mixed_decode_s * f.num_mixed_decodes
 
     def as_list(self) -> list[float]:
-        return [self.overhead_s, self.per_token_s, self.per_pair_s, self.per_seq_s]
+        return [self.overhead_s, self.per_token_s, self.per_pair_s, self.per_seq_s, self.per_mixed_decode_s]
 
 
 def _x(f: StepFeatures) -> tuple[float, ...]:
-    return (1.0, f.num_tokens / TOKEN_SCALE, f.num_pairs / PAIR_SCALE, f.num_seqs / SEQ_SCALE)
+    return (1.0, f.num_tokens / TOKEN_SCALE, f.num_pairs / PAIR_SCALE, f.num_seqs / SEQ_SCALE,
+            f.num_mixed_decodes / SEQ_SCALE)
 
 
 @dataclass
@@ -94,44 +104,6 @@ class _Bucket:
                 self.xx[i][j] = self.xx[i][j] * decay + x[i] * x[j]
         self.yy = self.yy * decay + y * y
         self.weight = self.weight * decay + 1.0
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None if singular."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for c in range(n):
-        p = max(range(c, n), key=lambda r: abs(m[r][c]))
-        if abs(m[p][c]) < 1e-12:
-            return None
-        m[c], m[p] = m[p], m[c]
-        for r in range(c + 1, n):
-            k = m[r][c] / m[c][c]
-            for j in range(c, n + 1):
-                m[r][j] -= k * m[c][j]
-    out = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        out[r] = (m[r][n] - sum(m[r][j] * out[j] for j in range(r + 1, n))) / m[r][r]
-    return out
-
-
-def nonnegative_fit(xx: list[list[float]], xy: list[float], yy: float) -> list[float]:
-    """The least-squares coefficients >= 0 (exact for a few features: the best of every feature subset)."""
-    n = len(xy)
-    best, best_sse = [0.0] * n, yy
-    for k in range(n, 0, -1):
-        for subset in combinations(range(n), k):
-            sol = _solve([[xx[i][j] for j in subset] for i in subset], [xy[i] for i in subset])
-            if sol is None or any(c < 0 for c in sol):
-                continue
-            c = [0.0] * n
-            for i, v in zip(subset, sol, strict=True):
-                c[i] = v
-            sse = yy - 2 * sum(c[i] * xy[i] for i in range(n)) + sum(
-                c[i] * xx[i][j] * c[j] for i in range(n) for j in range(n))
-            if sse < best_sse - 1e-15:
-                best, best_sse = c, sse
-    return best
 
 
 class StepCostModel:
@@ -181,12 +153,13 @@ class StepCostModel:
 
     def fit(self, num_features: int = NUM_FEATURES) -> CostCoefficients:
         """The fit of the observed steps on the first `num_features` features (3: without sequences, the
-        model before per_seq_s, for comparing the two on the same steps)."""
+        model before per_seq_s, for comparing models on the same steps)."""
         n, buckets = num_features, self._buckets.values()
         xx = [[sum(b.xx[i][j] for b in buckets) for j in range(n)] for i in range(n)]
         xy = [sum(b.xy[i] for b in buckets) for i in range(n)]
         c = nonnegative_fit(xx, xy, sum(b.yy for b in buckets)) + [0.0] * (NUM_FEATURES - n)
-        return CostCoefficients(c[0], c[1] / TOKEN_SCALE, c[2] / PAIR_SCALE, c[3] / SEQ_SCALE)
+        return CostCoefficients(c[0], c[1] / TOKEN_SCALE, c[2] / PAIR_SCALE, c[3] / SEQ_SCALE,
+                                c[4] / SEQ_SCALE)
 
     @property
     def drift(self) -> float:
@@ -216,7 +189,8 @@ class StepCostModel:
         """The inverse of to_dict; ValueError (one line) for a file that is not a cost model."""
         try:
             coeffs = CostCoefficients(float(d["overhead_s"]), float(d["per_token_s"]), float(d["per_pair_s"]),
-                                      float(d.get("per_seq_s", 0.0)))  # 0: a file of before per_seq_s
+                                      float(d.get("per_seq_s", 0.0)),  # 0: a file from before these terms
+                                      float(d.get("per_mixed_decode_s", 0.0)))
             model = cls(coeffs, int(d.get("window", DEFAULT_WINDOW)))
             for k, b in (d.get("buckets") or {}).items():
                 xx = [[float(v) for v in row] for row in b["xx"]]
@@ -270,11 +244,18 @@ class TpotBudget:
                 "cost_coefficients": tuple(m.coefficients.as_list()), "cost_drift": m.drift,
                 "cost_margin": m.step_drift.margin}
 
-    def chunk_budget(self, step: StepFeatures, start: int, budget_left: int) -> int:
+    def planning_coefficients(self) -> CostCoefficients:
+        """What steps are planned with: the fit times the drift and the spread's margin (a p90 step)."""
+        return self.model.budget_coefficients
+
+    def chunk_budget(self, step: StepFeatures, start: int, budget_left: int,
+                     target_s: float | None = None) -> int:
         """The largest chunk length <= budget_left, at positions `start ..`, that keeps the step's
-        predicted time within the target (0 if even one token would not)."""
-        c = self.model.budget_coefficients
-        time_left = self.target_s - c.predict(step) - c.per_seq_s  # the chunk is one more sequence
+        predicted time within the target (or `target_s`; 0 if even one token would not)."""
+        c, target_s = self.planning_coefficients(), self.target_s if target_s is None else target_s
+        if math.isinf(target_s):
+            return max(0, budget_left)
+        time_left = target_s - c.predict(step) - c.per_seq_s  # the chunk is one more sequence
         if time_left < 0 or budget_left <= 0:
             return 0
         # c.tok*L + c.pair*(L*start + L(L+1)/2) <= time_left: a quadratic increasing in L
@@ -288,8 +269,8 @@ class TpotBudget:
             return budget_left
         n = min(budget_left, max(0, math.floor(length)))
         # the float root may be one off either way: settle it on the exact prediction
-        while n < budget_left and c.predict(step.plus(start, n + 1)) <= self.target_s:
+        while n < budget_left and c.predict(step.plus(start, n + 1)) <= target_s:
             n += 1
-        while n > 0 and c.predict(step.plus(start, n)) > self.target_s:
+        while n > 0 and c.predict(step.plus(start, n)) > target_s:
             n -= 1
         return n

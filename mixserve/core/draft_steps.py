@@ -3,12 +3,27 @@ kept and the rest forgotten (Scheduler.update)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+from mixserve.core.batch import RequestId
 from mixserve.core.blocks import BlockSpace
 from mixserve.core.request import Request, Status
-from mixserve.core.speculative import SpecCounts
+from mixserve.core.speculative import SpecCounts, Speculation
 from mixserve.core.step_draft import StepDraft
+
+
+def book_drafts(step: StepDraft, spec: Speculation, requests: Mapping[RequestId, Request], block_size: int,
+                limit: Callable[[StepDraft, Request, int], int],
+                reserve: Callable[[Request, int], bool]) -> None:
+    """Where the gate lets them, drafts for the step's decodes, oldest first, in what the budget (and
+    `limit`: a target's) leaves, free blocks only: a draft is worth less than any decode or chunk
+    (docs/decisions/speculative-decoding.md)."""
+    if not spec.gate.allows(len(step.decodes), bool(step.chunks)):
+        return
+    for rid in list(step.decodes):
+        r = requests[rid]
+        n = limit(step, r, min(step.budget_left, r.max_tokens - r.num_generated - 1))  # the last row samples
+        book_draft(r, step, spec.propose(r, n), block_size, reserve)
 
 
 def book_draft(r: Request, step: StepDraft, draft: list[int], block_size: int,

@@ -35,6 +35,11 @@ class Request:
     block_keys: list[bytes] = field(default_factory=list)
     # Speculative decoding: its acceptance counts and n-gram index (core/speculative.py); None: off.
     spec: SpecStats | None = None
+    # Serving to an SLO (core/slo.py): when it arrived and got its first token (the budget's clock), and
+    # whether it can no longer meet its SLO (still served, no longer protected).
+    arrival_s: float = 0.0
+    first_token_s: float | None = None
+    slo_given_up: bool = False
 
     @property
     def num_generated(self) -> int:

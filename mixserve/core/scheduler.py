@@ -9,20 +9,21 @@ from mixserve.core.batch import Chunk, RequestId, ScheduleOutput
 from mixserve.core.blocks import BlockSpace
 from mixserve.core.config import SchedulerConfig
 from mixserve.core.cost_model import StepFeatures, TpotBudget, step_features
-from mixserve.core.draft_steps import book_draft, keep_verified, trim_blocks
+from mixserve.core.draft_steps import book_drafts, keep_verified, trim_blocks
 from mixserve.core.policy import PrefillPolicy, WholePrompt
 from mixserve.core.prefill_limits import Admit, PartialPrefills
 from mixserve.core.prefix_cache import PrefixCache, new_pool
 from mixserve.core.request import Request, Status, new_request
+from mixserve.core.scheduler_reads import SchedulerReads
+from mixserve.core.slo import SloBudget, first_prefill
 from mixserve.core.speculative import SpecCounts, Speculation
-from mixserve.core.stats import SchedulerStats
 from mixserve.core.step_draft import StepDraft
 from mixserve.core.waiting_share import WAITING_SHARE, WaitingShare
 
 MAX_FINISHED_KEPT = 10_000  # finished requests kept readable (abort() forgets one sooner)
 
 
-class Scheduler:
+class Scheduler(SchedulerReads):
     """Decides what each engine step computes and owns every request's KV blocks."""
 
     def __init__(self, cfg: SchedulerConfig, blocks: BlockSpace | None = None) -> None:
@@ -33,6 +34,8 @@ class Scheduler:
         self.step_budget: TpotBudget | None = None  # None: every step's budget is max_batch_tokens
         self.waiting_share = WAITING_SHARE  # with a step budget: what waiting prompts may take first
         self.speculation: Speculation | None = None  # None: one token per decode
+        self.slo: SloBudget | None = None  # None: no SLO mode (core/slo.py)
+        self._prefill_only_next = False  # the SLO mode just ran the decodes apart: the chunks go next
         self.spec_counts = SpecCounts()  # drafted and accepted so far
         self._requests: dict[RequestId, Request] = {}
         self._waiting: deque[Request] = deque()  # arrival order; preempted requests go back in front
@@ -47,11 +50,13 @@ class Scheduler:
         return self
 
     def with_step_budget(self, budget: TpotBudget | None, waiting_share: float = WAITING_SHARE) -> Scheduler:
-        """While decodes run, let `budget` (a TPOT target) cap the chunks of each step, waiting prompts
-        that fit whole in `waiting_share` of its chunk time going first (waiting_share.py); returns self."""
+        """While decodes run, let `budget` (a TPOT target, or an SloBudget: core/slo.py) cap the chunks of
+        each step, waiting prompts that fit whole in `waiting_share` of its chunk time going first
+        (waiting_share.py); returns self."""
         if not 0.0 <= waiting_share <= 1.0:
             raise ValueError(f"waiting_share must be within 0..1, got {waiting_share!r}")
         self.step_budget, self.waiting_share = budget, waiting_share
+        self.slo = budget if isinstance(budget, SloBudget) else None
         return self
 
     def with_speculation(self, speculation: Speculation | None) -> Scheduler:
@@ -67,6 +72,8 @@ class Scheduler:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._requests[request_id] = r = new_request(request_id, prompt, max_tokens, self.cfg)
         self._waiting.append(r)
+        if self.slo is not None:
+            self.slo.arrived(r)
 
     def finish(self, request_id: RequestId) -> None:
         """End a request early (EOS, stop string): frees its blocks; its output stays readable."""
@@ -86,45 +93,65 @@ class Scheduler:
     def schedule(self) -> ScheduleOutput:
         """Choose this step's decodes and chunks and allocate the KV blocks of every position they write."""
         step = StepDraft(self.cfg.max_batch_tokens)
-        # 1. Decodes, one token each, oldest first.
-        for r in list(self._running):
+        prefill_only, self._prefill_only_next = self._prefill_only_next, False
+        if self.slo is not None:  # this step's time limit (for every chunk), and the prompts in SLO order
+            self._waiting = deque(self.slo.begin_step(self._running, self._waiting, prefill_only))
+            step.sized = True
+        # 1. Decodes, one token each, oldest first (none in the prefill-only step of an exclusive pair).
+        for r in list(self._running) if not prefill_only else ():
             if r.status is Status.RUNNING and r.is_decode_ready and step.budget_left > 0:
                 if self._reserve(r, len(r.tokens), step):
                     step.decodes[r.request_id] = None
                     r.num_computed += 1
+        prefilling, given_up = [r for r in self._running if r.is_prefilling], []
+        if self.slo is not None:  # prompts given up on go after the waiting ones that can still make it
+            prefilling = self.slo.ordered(prefilling)
+            given_up = [r for r in prefilling if r.slo_given_up]
+            nxt = first_prefill(prefilling, self._waiting) if step.decodes else None
+            if nxt and self.slo.exclusive(self._features(step), nxt[0], min(nxt[1], step.budget_left)):
+                self._prefill_only_next = True  # decodes alone now, the chunks alone next step
+                return self._end_step(step)
         # 2. Requests part-way through their prefill, oldest first. Under a target (and with decodes to
         #    protect), waiting prompts that fit whole within their share of the step's time go before them.
-        partial = PartialPrefills(self.cfg, (r.prefill_end for r in self._running if r.is_prefilling))
+        partial = PartialPrefills(self.cfg, (r.prefill_end for r in prefilling))
         if self.step_budget is not None and step.decodes and self.waiting_share > 0:
             share = WaitingShare(self.step_budget, self._features(step), self.waiting_share)
             self._admit_waiting(step, partial, share.take)
-        for r in list(self._running):
+        if self._next_chunks([r for r in prefilling if not r.slo_given_up], step):
+            return self._end_step(step)
+        # 3. Waiting requests in arrival order; one that cannot start holds back those behind it, except a
+        #    long prompt over max_long_partial_prefills: shorter ones may pass it (prefill_limits.py).
+        self._admit_waiting(step, partial)
+        self._next_chunks(given_up, step)
+        return self._end_step(step)
+
+    def _next_chunks(self, prefilling: list[Request], step: StepDraft) -> bool:
+        """The next chunks of these prompts part-way through their prefill, in turn, until the budget is
+        spent; True when the step must end here."""
+        for r in prefilling:
             # (one chunk a step: a prompt the share just admitted already has its chunk in this step)
             if r.status is Status.RUNNING and r.is_prefilling and r.request_id not in step.chunks:
                 if self._schedule_chunk(r, step) == 0:
-                    break
+                    return False
                 # Under a target, the step that ends a prompt's prefill takes nothing after it: every token
                 # added would delay that prompt's first token by its own time, and deferred to the next
                 # step it costs only that step's fixed part (docs/decisions/waiting-share.md).
                 if self.step_budget is not None and step.chunks[r.request_id].last:
-                    self._last_step = step.output()
-                    return self._last_step
-        # 3. Waiting requests in arrival order; one that cannot start holds back those behind it, except a
-        #    long prompt over max_long_partial_prefills: shorter ones may pass it (prefill_limits.py).
-        self._admit_waiting(step, partial)
-        # 4. Drafts (where the gate lets them), oldest decode first, in what the budget and target leave, free
-        #    blocks only: a draft is worth less than any decode or chunk (decisions/speculative-decoding.md).
-        spec = self.speculation
-        gate_open = spec is not None and spec.gate.allows(len(step.decodes), bool(step.chunks))
-        for rid in list(step.decodes) if gate_open else ():
-            r = self._requests[rid]
-            limit = min(step.budget_left, r.max_tokens - r.num_generated - 1)  # the last row samples too
-            if self.step_budget is not None and limit > 0:
-                limit = self.step_budget.chunk_budget(self._features(step), len(r.tokens), limit)
-            book_draft(r, step, spec.propose(r, limit), self.cfg.block_size,  # type: ignore[union-attr]
-                       lambda r, upto: self._reserve(r, upto, step, may_preempt=False))
+                    return True
+        return False
+
+    def _end_step(self, step: StepDraft) -> ScheduleOutput:
+        """4. Drafts where the gate lets them, in what the budget and target leave (draft_steps.py)."""
+        if self.speculation is not None:
+            book_drafts(step, self.speculation, self._requests, self.cfg.block_size, self._draft_limit,
+                        lambda r, upto: self._reserve(r, upto, step, may_preempt=False))
         self._last_step = step.output()
         return self._last_step
+
+    def _draft_limit(self, step: StepDraft, r: Request, limit: int) -> int:
+        if self.step_budget is None or limit <= 0:
+            return limit
+        return self.step_budget.chunk_budget(self._features(step), len(r.tokens), limit)
 
     def _admit_waiting(self, step: StepDraft, partial: PartialPrefills,
                        only: Callable[[int, int], bool | None] | None = None) -> None:
@@ -159,7 +186,7 @@ class Scheduler:
         """Give `r` its next chunk under the policy; returns its length (0: it must wait)."""
         remaining = r.prefill_end - r.num_computed
         budget_left, alone = step.budget_left, step.alone
-        if self.step_budget is not None and step.decodes:  # no decodes: nothing to protect
+        if self.step_budget is not None and (step.decodes or step.sized):  # no decodes: nothing to protect
             budget_left = self.step_budget.chunk_budget(self._features(step), r.num_computed, budget_left)
         length = self.policy.chunk_len(remaining, budget_left, alone)
         if not 0 <= length <= remaining or (length > budget_left and not alone):
@@ -235,6 +262,8 @@ class Scheduler:
             if isinstance(token, Sequence) and rid not in kept and len(token) != 1:
                 raise ValueError(f"request {rid!r}: {len(token)} tokens sampled for a row without drafts")
             r.tokens.append(int(token[-1] if isinstance(token, Sequence) else token))
+            if self.slo is not None:
+                self.slo.sampled(r)
             if rid in kept:
                 trim_blocks(r, self.blocks, self.cfg.block_size)
             if r.num_generated >= r.max_tokens:
@@ -243,11 +272,6 @@ class Scheduler:
         return finished
 
     # ---- bookkeeping ---------------------------------------------------------------------------
-
-    def _get(self, request_id: RequestId) -> Request:
-        if (r := self._requests.get(request_id)) is None:
-            raise KeyError(f"unknown request {request_id!r}")
-        return r
 
     def _release(self, r: Request) -> None:
         """Take `r` out of the queues and give its blocks back; its K/V are gone."""
@@ -266,34 +290,3 @@ class Scheduler:
         if len(self._finished) > MAX_FINISHED_KEPT:
             oldest, _ = self._finished.popitem(last=False)
             del self._requests[oldest]
-
-    # ---- reading state -------------------------------------------------------------------------
-    def has_unfinished(self) -> bool:
-        return bool(self._running or self._waiting)
-
-    def tokens(self, request_id: RequestId) -> list[int]:  # prompt + generated so far
-        return list(self._get(request_id).tokens)
-
-    def request(self, request_id: RequestId) -> Request:
-        """The live state of a request, for plan() and tests: read it, never change it."""
-        return self._get(request_id)
-
-    def output(self, request_id: RequestId) -> list[int]:  # generated so far, also once finished
-        r = self._get(request_id)
-        return r.tokens[r.prompt_len :]
-
-    def block_table(self, request_id: RequestId) -> list[int]:
-        return list(self._get(request_id).block_table)
-
-    def stats(self) -> SchedulerStats:
-        last = self._last_step
-        return SchedulerStats(
-            num_requests_running=len(self._running), num_requests_waiting=len(self._waiting),
-            num_blocks=self.cfg.num_blocks, num_free_blocks=self.blocks.num_free(),
-            num_preemptions=self._num_preemptions,
-            step_decode_tokens=len(last.decodes) + last.num_draft_tokens,
-            step_prefill_tokens=last.num_tokens - len(last.decodes) - last.num_draft_tokens,
-            **(self._cache.stats() if self._cache is not None else {}),
-            **self.spec_counts.stats(),
-            **(self.step_budget.stats() if self.step_budget is not None else {}),
-        )

@@ -34,6 +34,13 @@ class SchedulerStats:
     cost_coefficients: tuple[float, ...] | None = None
     cost_drift: float | None = None
     cost_margin: float | None = None
+    # Serving to an SLO (core/slo.py; 0 / None when off): requests given up on per SLO and exclusive steps
+    # so far (counters), and the last step's time limit and mode (mixed | decode-only | prefill-only).
+    slo_given_up_ttft: int = 0
+    slo_given_up_tpot: int = 0
+    slo_exclusive_steps: int = 0
+    slo_step_limit_s: float | None = None
+    slo_mode: str | None = None
 
     @property
     def kv_cache_usage(self) -> float:

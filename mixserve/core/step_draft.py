@@ -14,6 +14,7 @@ class StepDraft:
         self.chunks: dict[RequestId, Chunk] = {}
         self.drafts: dict[RequestId, tuple[int, ...]] = {}  # a speculating decode's draft tokens
         self.preempted: list[RequestId] = []
+        self.sized = False  # chunks sized by the step budget even without decodes (the SLO mode)
 
     @property
     def num_tokens(self) -> int:

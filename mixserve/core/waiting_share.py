@@ -24,10 +24,10 @@ class WaitingShare:
     def __init__(self, budget: TpotBudget, decodes: StepFeatures, share: float = WAITING_SHARE) -> None:
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"the waiting prompts' share must be within 0..1, got {share!r}")
-        self.coefficients = budget.model.budget_coefficients  # as the TpotBudget plans the step
+        self.coefficients = budget.planning_coefficients()  # as the budget plans the step
         self._features = decodes
         decodes_s = self.coefficients.predict(decodes)
-        self.limit_s = decodes_s + share * max(0.0, budget.target_s - decodes_s)
+        self.limit_s = decodes_s + share * max(0.0, budget.target_s - decodes_s)  # inf: no limit
 
     def take(self, prompt_len: int, budget_left: int) -> bool | None:
         """True, and counted as taken, if a waiting prompt of `prompt_len` tokens fits whole in the share

@@ -69,7 +69,7 @@ class LLMEngine:
             enable_prefix_caching=cfg.enable_prefix_caching,
         )
         policy = Chunked(cfg.prefill_chunk) if cfg.prefill_chunk > 0 else WholePrompt()
-        if cfg.tpot_target_ms > 0:  # the target sizes the chunks: min(remaining, budget left)
+        if cfg.tpot_target_ms > 0 or cfg.slo_ttft_ms > 0 or cfg.slo_tpot_ms > 0:  # the budget sizes chunks
             policy = Chunked(cfg.max_batch_tokens)
         self.scheduler = Scheduler(sched_cfg).with_prefill_policy(policy).with_speculation(
             speculation_for(cfg.speculative, cfg.num_speculative_tokens))

@@ -5,12 +5,14 @@ TPOT target is on) by a bounded start-up profile, feeds the scheduler's TpotBudg
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 from mixserve.core import ForwardBatch, ForwardSeq, Scheduler
-from mixserve.core.cost_model import StepCostModel, StepFeatures, TpotBudget, step_features
+from mixserve.core.cost_model import StepCostModel, StepFeatures, step_features
+from mixserve.core.slo import SloBudget, step_budget_for
 
 logger = logging.getLogger(__name__)
 
@@ -91,19 +93,20 @@ def _sync(logits: Any) -> None:
 
 
 class StepCost:
-    """The cost model of one engine, and the TPOT target's budget when `tpot_target_ms` is set."""
+    """The cost model of one engine, and the step budget when a TPOT target or an SLO is set."""
 
     def __init__(self, cfg: Any, runner: Any, scheduler: Scheduler, num_blocks: int) -> None:
         self.path = cfg.cost_model
         # a model written by an earlier run is its seed; it then goes on learning from this run's steps
         self.model = StepCostModel.load(self.path) if self.path and Path(self.path).exists() \
             else StepCostModel()
-        self.target_s = cfg.tpot_target_ms / 1000.0
+        self.budget = step_budget_for(self.model, cfg.tpot_target_ms, cfg.slo_ttft_ms, cfg.slo_tpot_ms)
+        self.target_s = cfg.tpot_target_ms / 1000.0  # what the cost model file records
         self._features = StepFeatures()
         self._predicted: float | None = None
         self._planned = False
         self.profiled = 0
-        if self.target_s > 0:
+        if self.budget is not None:
             if self.model.num_samples == 0:
                 start = time.monotonic()
                 # at start-up no request holds a block: the top of the pool is scratch
@@ -111,7 +114,7 @@ class StepCost:
                 self.profiled = profile(runner, self.model, scratch, cfg.max_batch_tokens, cfg.max_num_seqs)
                 logger.info("step cost profile: %d steps in %.1f s -> %s", self.profiled,
                             time.monotonic() - start, self.model.coefficients)
-            scheduler.with_step_budget(TpotBudget(self.model, self.target_s), cfg.waiting_share)
+            scheduler.with_step_budget(self.budget, cfg.waiting_share)
 
     def begin(self, batch: ForwardBatch) -> None:
         """The step about to run: its features, and (target on) its predicted time."""
@@ -119,15 +122,19 @@ class StepCost:
         # a step the budget sized: decodes (one token) beside a chunk (a one-token chunk counts as a decode)
         lengths = {len(s.tokens) == 1 for s in batch.seqs}
         self._planned = lengths == {True, False}
-        self._predicted = self.model.predict(self._features) if self.target_s > 0 else None
+        self._predicted = self.model.predict(self._features) if self.budget is not None else None
 
     def end(self, duration_s: float) -> dict:
         """Learn from the step that just ran; returns the step trace's cost fields."""
         self.model.observe(self._features, duration_s, planned=self._planned)
         if self._predicted is None:
             return {}
-        return {"predicted_s": self._predicted, "cost_model": self.model.coefficients.as_list(),
-                "drift": self.model.drift, "margin": self.model.step_drift.margin}
+        fields = {"predicted_s": self._predicted, "cost_model": self.model.coefficients.as_list(),
+                  "drift": self.model.drift, "margin": self.model.step_drift.margin}
+        if isinstance(self.budget, SloBudget):  # the SLO mode's limit for this step, and mixed or exclusive
+            limit = self.budget.target_s
+            fields.update(slo_limit_s=None if math.isinf(limit) else limit, mode=self.budget.mode)
+        return fields
 
     @property
     def last_predicted_s(self) -> float | None:

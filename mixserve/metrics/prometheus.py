@@ -8,6 +8,7 @@ token times).
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from prometheus_client import (
@@ -19,6 +20,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from mixserve.core.cost_model import CostCoefficients
 from mixserve.core.stats import EngineStats, SchedulerStats
 
 # Buckets as vLLM's, so dashboards and alerts written for it read ours the same way.
@@ -75,6 +77,15 @@ class ServerMetrics:
         self.spec_accepted_per_pos = Counter("mixserve:spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted, by position in the draft (0: first).",
                                              ["position"], registry=r)
+        # serving to an SLO (docs/serving-to-an-slo.md)
+        self.slo_given_up = Counter("mixserve:slo_given_up", "Requests that could no longer meet their SLO "
+                                    "(still served, no longer protected), by the SLO missed.", ["slo"],
+                                    registry=r)
+        self.slo_exclusive_steps = Counter("mixserve:slo_exclusive_steps", "Decode-only steps the SLO mode "
+                                           "chose over a mixed one (each followed by a prefill-only one).",
+                                           registry=r)
+        self.slo_step_limit = Gauge("mixserve:slo_step_limit_seconds", "The SLO mode's time limit of the "
+                                    "last step, from the running requests' TPOT slack.", registry=r)
         self._totals_seen: dict[Counter, int] = {}  # the engine's totals at the last observe_stats
         # the step cost model, while a TPOT target is on (docs/latency-target.md)
         self.step_predicted = Gauge("mixserve:step_cost_predicted_seconds",
@@ -86,7 +97,8 @@ class ServerMetrics:
                                          buckets=COST_RATIO_BUCKETS, registry=r)
         self.cost_coefficient = Gauge("mixserve:step_cost_coefficient",
                                       "The cost model's fitted coefficients: step s = overhead_s + "
-                                      "per_token_s * tokens + per_pair_s * pairs + per_seq_s * sequences.",
+                                      "per_token_s * tokens + per_pair_s * pairs + per_seq_s * sequences + "
+                                      "per_mixed_decode_s * decodes beside a chunk.",
                                       ["term"], registry=r)
         self.cost_drift = Gauge("mixserve:step_cost_drift", "What the budget scales the fit by: the recent "
                                 "measured / predicted of planned steps.", registry=r)
@@ -106,7 +118,10 @@ class ServerMetrics:
         totals = {self.preemptions: stats.num_preemptions, self.prefix_queries: stats.prefix_cache_queries,
                   self.prefix_hits: stats.prefix_cache_hits, self.spec_drafts: stats.spec_num_drafts,
                   self.spec_draft_tokens: stats.spec_num_draft_tokens,
-                  self.spec_accepted_tokens: stats.spec_num_accepted_tokens}
+                  self.spec_accepted_tokens: stats.spec_num_accepted_tokens,
+                  self.slo_given_up.labels("ttft"): stats.slo_given_up_ttft,
+                  self.slo_given_up.labels("tpot"): stats.slo_given_up_tpot,
+                  self.slo_exclusive_steps: stats.slo_exclusive_steps}
         totals.update({self.spec_accepted_per_pos.labels(str(i)): n
                        for i, n in enumerate(stats.spec_accepted_per_pos)})
         if engine is not None:
@@ -117,12 +132,14 @@ class ServerMetrics:
             self.step_tokens.observe(stats.step_tokens)
         if stepped:
             self._observe_step_cost(stats)
+        if stepped and stats.slo_step_limit_s is not None:
+            self.slo_step_limit.set(stats.slo_step_limit_s)
 
     def _observe_step_cost(self, stats: Any) -> None:
         coefficients = getattr(stats, "cost_coefficients", None)
         if coefficients is None:
             return  # no TPOT target
-        terms = ("overhead_s", "per_token_s", "per_pair_s", "per_seq_s")  # CostCoefficients.as_list()
+        terms = [f.name for f in fields(CostCoefficients)]  # as CostCoefficients.as_list()
         for term, value in zip(terms, coefficients, strict=True):
             self.cost_coefficient.labels(term).set(value)
         if stats.cost_drift is not None and stats.cost_margin is not None:

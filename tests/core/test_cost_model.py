@@ -27,7 +27,7 @@ def test_attended_pairs_is_causal():
     assert attended_pairs(4, 2) == 5 + 6
     # chunking changes when the pairs are computed, never how many
     assert attended_pairs(0, 10) == attended_pairs(0, 4) + attended_pairs(4, 4) + attended_pairs(8, 2)
-    assert step_features([(9, 1), (0, 4)]) == StepFeatures(5, 20, 2)
+    assert step_features([(9, 1), (0, 4)]) == StepFeatures(5, 20, 2, 1)  # one decode
 
 
 def _random_step(rng: random.Random) -> StepFeatures:
@@ -79,7 +79,7 @@ def test_a_model_file_from_before_per_seq_s_loads_as_its_coefficients(tmp_path):
     f = step_features([(10, 1)] * 3)
     assert model.predict(f) == pytest.approx(0.05 + 0.003 + 33e-6)
     model.observe(f, 0.2)  # and learns from here with four features
-    assert len(model.to_dict()["buckets"]["2"]["xy"]) == 4
+    assert len(model.to_dict()["buckets"]["2"]["xy"]) == 5
 
 
 def test_the_budget_counts_the_chunk_as_one_more_sequence():
