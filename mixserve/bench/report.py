@@ -135,6 +135,9 @@ def build_report(
         "itl_s": summarize(g for r in done for g in r.gaps),
         "e2e_s": summarize(r.e2e for r in done),
         "goodput": per_second(sum(1 for r in done if meets_slo(r, slo_ttft, slo_tpot))),
+        # the share of all requests that met both SLOs (a failed one never does); None without an SLO
+        "slo_attainment": sum(1 for r in done if meets_slo(r, slo_ttft, slo_tpot)) / len(results)
+        if results and (slo_ttft is not None or slo_tpot is not None) else None,
         "classes": {k: class_stats([r for r in results if r.kind == k], stall_threshold) for k in kinds},
     }
 
@@ -152,6 +155,8 @@ def format_summary(report: dict) -> str:
         ("output token throughput (tok/s)", _num(report["output_token_throughput"])),
         ("goodput (req/s)", _num(report["goodput"])),
     ]
+    if report.get("slo_attainment") is not None:
+        rows.append(("SLO attainment", f"{report['slo_attainment']:.1%}"))
     for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E", "e2e_s")):
         s = report[key]
         rows.append((f"{name} mean/p50/p90/p99 (ms)",

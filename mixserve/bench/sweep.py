@@ -32,14 +32,18 @@ from mixserve.bench.workload import RequestSpec
 @dataclass(frozen=True)
 class Setting:
     """One server configuration of the sweep; prefill_chunk 0 is WholePrompt; a TPOT target (ms) > 0 sizes
-    the chunks itself (prefill_chunk is then moot)."""
+    the chunks itself (prefill_chunk is then moot); slo_mode: the server serves to the sweep's SLOs
+    (`--slo-ttft-ms`, `--slo-tpot-ms`: docs/serving-to-an-slo.md)."""
 
     prefill_chunk: int
     max_batch_tokens: int
     tpot_target_ms: float = 0
+    slo_mode: str = ""  # "" or the server's SLO flags, e.g. "--slo-ttft-ms 2000 --slo-tpot-ms 200"
 
     @property
     def policy(self) -> str:
+        if self.slo_mode:
+            return "SLO"
         if self.tpot_target_ms:
             return f"TpotTarget({self.tpot_target_ms:g} ms)"
         return f"Chunked({self.prefill_chunk})" if self.prefill_chunk else "WholePrompt"
@@ -49,6 +53,8 @@ class Setting:
         what = f"chunk {self.prefill_chunk}" if self.prefill_chunk else "WholePrompt"
         if self.tpot_target_ms:
             what = f"target {self.tpot_target_ms:g} ms"
+        if self.slo_mode:
+            what = "SLO mode"
         return f"{what}, budget {self.max_batch_tokens}"
 
     @property
@@ -56,21 +62,26 @@ class Setting:
         what = f"chunk{self.prefill_chunk}" if self.prefill_chunk else "whole"
         if self.tpot_target_ms:
             what = f"tpot{self.tpot_target_ms:g}"
+        if self.slo_mode:
+            what = "slo"
         return f"{what}-b{self.max_batch_tokens}"
 
     def server_args(self, extra: str, cost_model: Path) -> str:
         """Extra server flags: the target, and where the server writes its cost model on shutdown."""
         target = f" --tpot-target-ms {self.tpot_target_ms:g}" if self.tpot_target_ms else ""
+        target += f" {self.slo_mode}" if self.slo_mode else ""
         return f"{extra}{target} --cost-model {shlex.quote(str(cost_model))}"
 
 
-def parse_settings(spec: str, budget: int, whole_prompt_budget: int = 0, targets: str = "") -> list[Setting]:
+def parse_settings(spec: str, budget: int, whole_prompt_budget: int = 0, targets: str = "",
+                   slo_flags: str = "") -> list[Setting]:
     """Settings from "0,16,64,256" (each at `budget`; "CHUNK:BUDGET" sets its own).
 
     A chunk larger than its budget is capped to it (the budget caps every step anyway). whole_prompt_budget
     > 0 adds WholePrompt at that budget first: the big-budget case where a long prompt shares a step with
     the decodes and stalls them, which chunking exists to fix. `targets` ("0,200,400") adds one setting
-    per TPOT target > 0 at `budget` (0 is the fixed settings themselves).
+    per TPOT target > 0 at `budget` (0 is the fixed settings themselves); `slo_flags` (the server's SLO
+    flags) adds the SLO mode at `budget`, last.
     """
     settings: list[Setting] = []
     if whole_prompt_budget > 0:
@@ -92,6 +103,8 @@ def parse_settings(spec: str, budget: int, whole_prompt_budget: int = 0, targets
         s = Setting(budget, budget, target)
         if target > 0 and s not in settings:
             settings.append(s)
+    if slo_flags:
+        settings.append(Setting(budget, budget, slo_mode=slo_flags))
     return settings
 
 

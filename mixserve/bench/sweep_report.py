@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # the sweep imports this module: only the type, not a cycle a
     from mixserve.bench.sweep import Setting
 
 # Fields that name a setting rather than measure a run: copied, never aggregated.
-IDENTITY = ("setting", "policy", "prefill_chunk", "max_batch_tokens", "tpot_target_ms")
+IDENTITY = ("setting", "policy", "prefill_chunk", "max_batch_tokens", "tpot_target_ms", "slo_mode")
 # What the per-run table shows of every run, so a reader sees the spread behind each median.
 RUN_FIGURES = ("short_stalled", "short_max_gap_s", "long_ttft_p50_s")
 
@@ -22,7 +22,7 @@ def table_row(s: Setting, report: dict) -> dict:
     "round" is the run's place among interleaved repeats (1 without repeats)."""
     row = {"setting": s.label, "policy": s.policy, "prefill_chunk": s.prefill_chunk,
            "max_batch_tokens": s.max_batch_tokens, "tpot_target_ms": s.tpot_target_ms,
-           "round": report.get("settings", {}).get("round", 1)}
+           "slo_mode": s.slo_mode, "round": report.get("settings", {}).get("round", 1)}
     if "error" in report:
         return dict(row, error=report["error"].splitlines()[0])
     short = report["classes"].get("short", {})
@@ -39,6 +39,7 @@ def table_row(s: Setting, report: dict) -> dict:
         short_ttft_p50_s=short_ttft.get("p50"), short_ttft_p99_s=short_ttft.get("p99"),
         long_ttft_p50_s=long_ttft.get("p50"), long_ttft_max_s=long_ttft.get("max"),
         output_token_throughput=report["output_token_throughput"], duration_s=report["duration_s"],
+        goodput=report.get("goodput"), slo_attainment=report.get("slo_attainment"),
         max_step_s=report.get("steps", {}).get("max_step_s"),
         max_step_tokens=report.get("steps", {}).get("max_step_tokens"),
         ttft_ratio=check.get("ttft_ratio"), itl_ratio=check.get("itl_ratio"),

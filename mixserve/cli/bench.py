@@ -91,6 +91,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=bench_command)
     sub = p.add_subparsers(dest="bench_command", metavar="sweep")
     s = sub.add_parser("sweep", help="one server per prefill_chunk setting, one comparison table",
+                       conflict_handler="resolve",  # --request-rate: a list here
                        description="Start a server per setting, run the same workload against each, and "
                        "write a comparison table (markdown + JSON) with TTFT/TPOT CDFs and step timelines.")
     s.add_argument("--prefill-chunk", default="0,16,64,256",
@@ -109,6 +110,11 @@ def register(subparsers) -> None:
     s.add_argument("--server-args", default="", help="extra server flags, e.g. '--model PATH'")
     s.add_argument("--out-dir", default="bench/results", help="where the results go (default %(default)s)")
     add_workload_flags(s, "M")
+    s.add_argument("--request-rate", default=None, help="Poisson arrivals per second (M: the short "
+                   "requests'); a list '0.5,1,2' runs the sweep at each and draws goodput against the rate "
+                   "(goodput.png; needs --slo-ttft or --slo-tpot)")
+    s.add_argument("--slo-mode", action="store_true", help="also run the SLO mode at --max-batch-tokens, "
+                   "serving to --slo-ttft / --slo-tpot (docs/serving-to-an-slo.md)")
     add_run_flags(s)
     s.set_defaults(func=sweep_command, max_duration=90.0)
 
@@ -184,22 +190,44 @@ def bench_command(args: argparse.Namespace) -> int:
     return 0 if report["completed"] else 1
 
 
+def slo_flags(args: argparse.Namespace) -> str:
+    """The server flags of the SLO mode from the bench's SLOs in seconds ("" without --slo-mode)."""
+    if not args.slo_mode:
+        return ""
+    if args.slo_ttft is None and args.slo_tpot is None:
+        raise ValueError("--slo-mode needs --slo-ttft or --slo-tpot (the SLOs it serves to)")
+    ms = [round(1000 * (x or 0), 3) for x in (args.slo_ttft, args.slo_tpot)]
+    return f"--slo-ttft-ms {ms[0]:g} --slo-tpot-ms {ms[1]:g}"
+
+
 def sweep_command(args: argparse.Namespace) -> int:
+    from mixserve.bench.goodput_sweep import parse_rates, run_rates
     from mixserve.bench.server import DEFAULT_SERVER_CMD
     from mixserve.bench.sweep import parse_settings, run_sweep
 
     try:
         settings = parse_settings(args.prefill_chunk, args.max_batch_tokens, args.whole_prompt_budget,
-                                  args.tpot_target_ms)
+                                  args.tpot_target_ms, slo_flags(args))
         if args.repeats < 1:
             raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+        rates = parse_rates(args.request_rate) if args.request_rate is not None else [None]
+        if len(rates) > 1 and args.slo_ttft is None and args.slo_tpot is None:
+            raise ValueError("several --request-rate values draw goodput: give --slo-ttft or --slo-tpot")
     except ValueError as e:
         print(f"mixserve bench sweep: {e}", file=sys.stderr)
         return 2
-    specs, desc = build_workload(args)
     command = "mixserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else ""
-    summary = run_sweep(settings, specs, args.out_dir, run_options(args), workload=desc,
-                        server_cmd=args.server_cmd or DEFAULT_SERVER_CMD, server_args=args.server_args,
-                        command=command, repeats=args.repeats)
-    print((Path(args.out_dir) / "sweep.md").read_text())
-    return 0 if any("error" not in r for r in summary["rows"]) else 1
+
+    def sweep_at(rate: float | None, out_dir: str | Path) -> dict:
+        specs, desc = build_workload(argparse.Namespace(**{**vars(args), "request_rate": rate}))
+        return run_sweep(settings, specs, out_dir, run_options(args), workload=desc,
+                         server_cmd=args.server_cmd or DEFAULT_SERVER_CMD, server_args=args.server_args,
+                         command=command, repeats=args.repeats)
+
+    if len(rates) == 1:  # one rate: one sweep, the layout as ever
+        summary = sweep_at(rates[0], args.out_dir)
+        print((Path(args.out_dir) / "sweep.md").read_text())
+        return 0 if any("error" not in r for r in summary["rows"]) else 1
+    run_rates(rates, sweep_at, args.out_dir)  # type: ignore[arg-type]
+    print((Path(args.out_dir) / "goodput.md").read_text())
+    return 0
