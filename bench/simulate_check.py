@@ -25,8 +25,7 @@ FIGURES = [  # (label, class, metric, percentile, bound)
     ("short TPOT p90", "short", "tpot_s", "p90", 0.25),
     ("long TTFT p50", "long", "ttft_s", "p50", 0.15),
 ]
-COEFFICIENTS = ("overhead_s", "per_token_s", "per_pair_s", "per_seq_s", "per_mixed_decode_s",
-                "per_chunk_step_s")
+COEFFICIENTS = ("overhead_s", "per_token_s", "per_pair_s", "per_seq_s", "per_mixed_decode_s")
 
 
 def figure(report: dict, cls: str, metric: str, pct: str) -> float:

@@ -17,11 +17,11 @@ from mixserve.core.step_drift import StepDrift
 TOKEN_SCALE = 1e3
 PAIR_SCALE = 1e6
 SEQ_SCALE = 1e2
-NUM_FEATURES = 6  # 1, tokens, pairs, sequences, decodes beside a chunk, a chunk in the step
+NUM_FEATURES = 5  # 1, tokens, pairs, sequences, decodes beside a chunk
 # Each size bucket (tokens per step, by powers of two) forgets with this window (in its own steps): a run
 # of many decode-only steps then cannot wash out what the rarer big prefill steps taught the fit.
 DEFAULT_WINDOW = 64
-FORMAT = "mixserve-step-cost/3"  # /3: the mixed and chunk terms, /2: per_seq_s; older files load (those 0)
+FORMAT = "mixserve-step-cost/3"  # /3: per_mixed_decode_s, /2: per_seq_s; older files load (those 0)
 
 
 def attended_pairs(start: int, length: int) -> int:
@@ -55,11 +55,6 @@ class StepFeatures:
         """Decodes in a step that also holds a chunk (0 in a decode-only step)."""
         return self.num_decodes if self.num_seqs > self.num_decodes else 0
 
-    @property
-    def has_chunk(self) -> int:
-        """1 if a sequence of the step has more than one token (its linears run the chunk kernels)."""
-        return int(self.num_seqs > self.num_decodes)
-
 
 def step_features(seqs: Iterable[tuple[int, int]]) -> StepFeatures:
     """The features of a step from its sequences' (start, length) pairs."""
@@ -72,30 +67,25 @@ def step_features(seqs: Iterable[tuple[int, int]]) -> StepFeatures:
 @dataclass(frozen=True)
 class CostCoefficients:
     """Step time = overhead_s + per_token_s * tokens + per_pair_s * attended (token, position) pairs
-    + per_seq_s * sequences + per_mixed_decode_s * decodes beside a chunk + per_chunk_step_s if the step
-    holds a chunk (on the CPU a step with a chunk runs every linear on the chunk kernels, whose set-up, e.g.
-    a quantized weight's tiles dequantized, is paid once per step: docs/decisions/serving-to-an-slo.md)."""
+    + per_seq_s * sequences + per_mixed_decode_s * decodes beside a chunk."""
 
     overhead_s: float = 0.0
     per_token_s: float = 0.0
     per_pair_s: float = 0.0
     per_seq_s: float = 0.0
     per_mixed_decode_s: float = 0.0
-    per_chunk_step_s: float = 0.0
 
     def predict(self, f: StepFeatures) -> float:
         return self.overhead_s + self.per_token_s * f.num_tokens + self.per_pair_s * f.num_pairs + \
-            self.per_seq_s * f.num_seqs + self.per_mixed_decode_s * f.num_mixed_decodes + \
-            self.per_chunk_step_s * f.has_chunk
+            self.per_seq_s * f.num_seqs + self.per_mixed_decode_s * f.num_mixed_decodes
 
     def as_list(self) -> list[float]:
-        return [self.overhead_s, self.per_token_s, self.per_pair_s, self.per_seq_s, self.per_mixed_decode_s,
-                self.per_chunk_step_s]
+        return [self.overhead_s, self.per_token_s, self.per_pair_s, self.per_seq_s, self.per_mixed_decode_s]
 
 
 def _x(f: StepFeatures) -> tuple[float, ...]:
     return (1.0, f.num_tokens / TOKEN_SCALE, f.num_pairs / PAIR_SCALE, f.num_seqs / SEQ_SCALE,
-            f.num_mixed_decodes / SEQ_SCALE, float(f.has_chunk))
+            f.num_mixed_decodes / SEQ_SCALE)
 
 
 @dataclass
@@ -169,7 +159,7 @@ class StepCostModel:
         xy = [sum(b.xy[i] for b in buckets) for i in range(n)]
         c = nonnegative_fit(xx, xy, sum(b.yy for b in buckets)) + [0.0] * (NUM_FEATURES - n)
         return CostCoefficients(c[0], c[1] / TOKEN_SCALE, c[2] / PAIR_SCALE, c[3] / SEQ_SCALE,
-                                c[4] / SEQ_SCALE, c[5])
+                                c[4] / SEQ_SCALE)
 
     @property
     def drift(self) -> float:
@@ -200,8 +190,7 @@ class StepCostModel:
         try:
             coeffs = CostCoefficients(float(d["overhead_s"]), float(d["per_token_s"]), float(d["per_pair_s"]),
                                       float(d.get("per_seq_s", 0.0)),  # 0: a file from before these terms
-                                      float(d.get("per_mixed_decode_s", 0.0)),
-                                      float(d.get("per_chunk_step_s", 0.0)))
+                                      float(d.get("per_mixed_decode_s", 0.0)))
             model = cls(coeffs, int(d.get("window", DEFAULT_WINDOW)))
             for k, b in (d.get("buckets") or {}).items():
                 xx = [[float(v) for v in row] for row in b["xx"]]

@@ -98,8 +98,7 @@ class ServerMetrics:
         self.cost_coefficient = Gauge("mixserve:step_cost_coefficient",
                                       "The cost model's fitted coefficients: step s = overhead_s + "
                                       "per_token_s * tokens + per_pair_s * pairs + per_seq_s * sequences + "
-                                      "per_mixed_decode_s * decodes beside a chunk + per_chunk_step_s "
-                                      "if the step holds a chunk.",
+                                      "per_mixed_decode_s * decodes beside a chunk.",
                                       ["term"], registry=r)
         self.cost_drift = Gauge("mixserve:step_cost_drift", "What the budget scales the fit by: the recent "
                                 "measured / predicted of planned steps.", registry=r)

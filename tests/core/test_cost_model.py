@@ -79,7 +79,7 @@ def test_a_model_file_from_before_per_seq_s_loads_as_its_coefficients(tmp_path):
     f = step_features([(10, 1)] * 3)
     assert model.predict(f) == pytest.approx(0.05 + 0.003 + 33e-6)
     model.observe(f, 0.2)  # and learns from here with four features
-    assert len(model.to_dict()["buckets"]["2"]["xy"]) == 6
+    assert len(model.to_dict()["buckets"]["2"]["xy"]) == 5
 
 
 def test_the_budget_counts_the_chunk_as_one_more_sequence():
