@@ -121,6 +121,8 @@ def register(subparsers) -> None:
 
 def _resolve(args: argparse.Namespace) -> dict:
     defaults = {"M": M_DEFAULTS, "shared-prefix": SHARED_DEFAULTS}.get(args.workload, RANDOM_DEFAULTS)
+    if isinstance(args.request_rate, str):  # the sweep's list, here of one rate
+        args = argparse.Namespace(**{**vars(args), "request_rate": _rate(args.request_rate)})
     return {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
 
 

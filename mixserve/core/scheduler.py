@@ -106,24 +106,27 @@ class Scheduler(SchedulerReads):
         prefilling, given_up = [r for r in self._running if r.is_prefilling], []
         if self.slo is not None:  # prompts given up on go after the waiting ones that can still make it
             prefilling = self.slo.ordered(prefilling)
-            given_up = [r for r in prefilling if r.slo_given_up]
-            nxt = first_prefill(prefilling, self._waiting) if step.decodes else None
+            given_up = [r for r in prefilling if not self.slo.protected(r)]
+            can_admit = len(self._running) < self.cfg.max_num_seqs and self.blocks.num_free() > 0
+            nxt = first_prefill(prefilling, self._waiting if can_admit else ()) if step.decodes else None
             if nxt and self.slo.exclusive(self._features(step), nxt[0], min(nxt[1], step.budget_left)):
                 self._prefill_only_next = True  # decodes alone now, the chunks alone next step
                 return self._end_step(step)
         # 2. Requests part-way through their prefill, oldest first. Under a target (and with decodes to
         #    protect), waiting prompts that fit whole within their share of the step's time go before them.
         partial = PartialPrefills(self.cfg, (r.prefill_end for r in prefilling))
-        if self.step_budget is not None and step.decodes and self.waiting_share > 0:
+        overdue = self.slo is not None and bool(self._waiting) and self.slo.overdue(self._waiting[0])
+        if self.step_budget is not None and step.decodes and self.waiting_share > 0 and not overdue:
             share = WaitingShare(self.step_budget, self._features(step), self.waiting_share)
             self._admit_waiting(step, partial, share.take)
-        if self._next_chunks([r for r in prefilling if not r.slo_given_up], step):
+        if self._next_chunks([r for r in prefilling if r not in given_up], step):
             return self._end_step(step)
         # 3. Waiting requests in arrival order; one that cannot start holds back those behind it, except a
         #    long prompt over max_long_partial_prefills: shorter ones may pass it (prefill_limits.py).
         self._admit_waiting(step, partial)
         self._next_chunks(given_up, step)
-        return self._end_step(step)
+        # a prefill-only step whose chunks could not start after all becomes a plain step
+        return self.schedule() if prefill_only and not step.chunks else self._end_step(step)
 
     def _next_chunks(self, prefilling: list[Request], step: StepDraft) -> bool:
         """The next chunks of these prompts part-way through their prefill, in turn, until the budget is
@@ -132,6 +135,8 @@ class Scheduler(SchedulerReads):
             # (one chunk a step: a prompt the share just admitted already has its chunk in this step)
             if r.status is Status.RUNNING and r.is_prefilling and r.request_id not in step.chunks:
                 if self._schedule_chunk(r, step) == 0:
+                    if r.status is Status.WAITING:  # it preempted itself: its blocks are for those after it
+                        continue
                     return False
                 # Under a target, the step that ends a prompt's prefill takes nothing after it: every token
                 # added would delay that prompt's first token by its own time, and deferred to the next
@@ -187,7 +192,9 @@ class Scheduler(SchedulerReads):
         remaining = r.prefill_end - r.num_computed
         budget_left, alone = step.budget_left, step.alone
         if self.step_budget is not None and (step.decodes or step.sized):  # no decodes: nothing to protect
-            budget_left = self.step_budget.chunk_budget(self._features(step), r.num_computed, budget_left)
+            limit = self.step_budget.chunk_budget(self._features(step), r.num_computed, budget_left)
+            # alone in a step, a prompt always progresses (one block), even where no chunk meets the limit
+            budget_left = max(limit, min(budget_left, self.cfg.block_size)) if alone else limit
         length = self.policy.chunk_len(remaining, budget_left, alone)
         if not 0 <= length <= remaining or (length > budget_left and not alone):
             raise ValueError(

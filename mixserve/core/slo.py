@@ -143,6 +143,14 @@ class SloBudget(TpotBudget):
         elif TTFT_RISK * alone_s > time_left:
             self.ttft_at_risk = True
 
+    def protected(self, r: Request) -> bool:
+        """Still served to its SLO: not given up on, or waiting past the bound (then before all)."""
+        return not r.slo_given_up or self.overdue(r)
+
+    def overdue(self, r: Request) -> bool:
+        """Waiting past the bound: it goes before every other request."""
+        return self.now - r.arrival_s > self.targets.wait_bound_s
+
     def ordered(self, requests: Iterable[Request]) -> list[Request]:
         """Earliest TTFT deadline first, given-up requests after the others, any request waiting past the
         bound before all (a stable sort: equal keys keep the queue's order, preempted ones in front)."""
