@@ -10,7 +10,9 @@ step, a TTFT one waits behind the prompts that can still make theirs). Waiting p
 TTFT deadline (arrival, as every request has the same SLO), given-up ones last, except that one waiting
 longer than WAIT_BOUND_TTFTS TTFT SLOs goes first: nobody starves. Per step the budget also chooses
 between one mixed step and a decode-only step followed by a prefill-only one (`exclusive`), whichever
-prefills more in the same time. Why these rules and numbers: docs/decisions/serving-to-an-slo.md.
+prefills more in the same time; every PROBE_EVERY-th such choice runs mixed anyway, as the cost of a
+decode beside a chunk is learnt only from mixed steps. Decodes are paced at PACE of their TPOT SLO, so
+a step slower than predicted does not tip them over it. Why: docs/decisions/serving-to-an-slo.md.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from mixserve.core.request import Request
 STEP_CAP_TPOTS = 2.0  # no TTFT at risk: a step lasts at most this many TPOT SLOs, however much slack
 TTFT_RISK = 2.0  # a prompt is at risk once twice its prefill's time alone would pass its TTFT deadline
 WAIT_BOUND_TTFTS = 10.0  # a request waiting this many TTFT SLOs is admitted first, given up on or not
+PACE = 0.9  # the step limit paces decodes at this fraction of the TPOT SLO: one slow step stays inside it
+PROBE_EVERY = 8  # after this many exclusive choices in a row one mixed step runs: the fit keeps seeing them
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ class SloBudget(TpotBudget):
         self.decode_s = 0.0  # the running decodes' predicted time, one token each
         self.ttft_at_risk = False
         self.mode = "mixed"  # the last step's: mixed | decode-only | prefill-only
+        self._exclusive_run = 0  # exclusive choices since the last mixed step with decodes and a chunk
 
     def planning_coefficients(self) -> CostCoefficients:
         # the fit times the drift, without the spread's margin: slack is kept on measured times, so a
@@ -87,12 +92,12 @@ class SloBudget(TpotBudget):
         if r.first_token_s is None:
             r.first_token_s = self.clock()
 
-    def per_token_s(self, r: Request, now: float) -> float:
-        """The time each of a decoding request's remaining tokens may take and still meet the TPOT SLO
-        on average (its max_tokens taken as its length: an early EOS only leaves it more)."""
+    def per_token_s(self, r: Request, now: float, pace: float = 1.0) -> float:
+        """The time each of a decoding request's remaining tokens may take and still meet `pace` times
+        the TPOT SLO on average (its max_tokens taken as its length: an early EOS only leaves it more)."""
         first = r.first_token_s if r.first_token_s is not None else now
         left = max(1, r.max_tokens - r.num_generated)
-        return (first + (r.max_tokens - 1) * self.targets.tpot_s - now) / left
+        return (first + (r.max_tokens - 1) * pace * self.targets.tpot_s - now) / left
 
     def ttft_deadline(self, r: Request) -> float:
         return r.arrival_s + self.targets.ttft_s
@@ -115,11 +120,10 @@ class SloBudget(TpotBudget):
         limit = math.inf
         if self.targets.tpot_s > 0:
             for r in decodes:
-                share = self.per_token_s(r, now)
-                if share < self.decode_s and not r.slo_given_up:
+                if self.per_token_s(r, now) < self.decode_s and not r.slo_given_up:
                     self._give_up(r, "tpot")  # even decode-only steps could not catch up
-                if not r.slo_given_up:
-                    limit = min(limit, share)
+                if not r.slo_given_up:  # paced under the SLO, but never below a decode-only step
+                    limit = min(limit, max(self.per_token_s(r, now, PACE), self.decode_s))
         waiting = list(waiting)
         self.ttft_at_risk = False
         if self.targets.ttft_s > 0:
@@ -176,6 +180,9 @@ class SloBudget(TpotBudget):
             mixed = self.chunk_budget(decodes, start, budget_left)
             alone = self.chunk_budget(StepFeatures(), start, budget_left, self.target_s - c.predict(decodes))
             split = alone > mixed
+        if split and self._exclusive_run >= PROBE_EVERY - 1:
+            split = False  # a probe: the per-mixed-decode term is learnt only from mixed steps
+        self._exclusive_run = self._exclusive_run + 1 if split else 0
         if split:
             self.counts.exclusive_steps += 1
             self.mode = "decode-only"

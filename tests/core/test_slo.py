@@ -11,7 +11,7 @@ import pytest
 from mixserve.core import BlockPool, Chunked, PrefillPolicy, ScheduleOutput, Scheduler, SchedulerConfig
 from mixserve.core.cost_model import CostCoefficients, StepCostModel, StepFeatures, TpotBudget, step_features
 from mixserve.core.request import Request
-from mixserve.core.slo import STEP_CAP_TPOTS, SloBudget, SloTargets, step_budget_for
+from mixserve.core.slo import PACE, STEP_CAP_TPOTS, SloBudget, SloTargets, step_budget_for
 
 # 20 ms a step, 1 ms a token, 1 ms a sequence, no attention term; DEAR: a decode beside a chunk costs 10 ms
 COST = CostCoefficients(overhead_s=0.02, per_token_s=0.001, per_pair_s=0.0, per_seq_s=0.001)
@@ -31,8 +31,7 @@ def make(cost: CostCoefficients = COST, ttft: float = 2.0, tpot: float = 0.2, bu
 
 
 def run_step(s: Scheduler, clock: Clock, cost: CostCoefficients) -> ScheduleOutput:
-    """schedule(); the clock moves by the step's predicted time; one token per sampled row; finished
-    requests are dropped, as the engine does."""
+    """schedule(); the clock moves by the step's predicted time; one token per sampled row; done ones go."""
     out = s.schedule()
     seqs = [(len(s.request(r).tokens) - 1, 1) for r in out.decodes]
     seqs += [(c.start, c.length) for c in out.chunks]
@@ -101,8 +100,9 @@ def test_a_hopeless_prompt_is_counted_once_over_its_many_chunks() -> None:
 
 
 def test_a_decode_behind_pace_limits_the_step_until_it_is_given_up() -> None:
-    """Behind pace, a decode's share (0.1 s, under the 0.4 s cap) is the step's limit; once it falls below
-    a decode-only step it is given up on TPOT, still decoded, and the limit rises to the cap."""
+    """Behind pace, a decode's share (0.1 s at the SLO, paced under it; under the 0.4 s cap) is the step's
+    limit; once it falls below a decode-only step it is given up on TPOT, still decoded, and the limit rises
+    to the cap."""
     s, slo, clock = make(tpot=0.2)
     s.add_request("a", [1] * 8, 20)
     run_step(s, clock, COST)  # prefill and first token at 0.029 s: 19 tokens to go, the last due at 3.829
@@ -110,7 +110,7 @@ def test_a_decode_behind_pace_limits_the_step_until_it_is_given_up() -> None:
     assert first == pytest.approx(0.029)
     clock[0] = first + 19 * 0.2 - 19 * 0.1  # its share is now 0.1 s a token
     out = run_step(s, clock, COST)
-    assert out.decodes == ["a"] and slo.target_s == pytest.approx(0.1)
+    assert out.decodes == ["a"] and slo.target_s == pytest.approx(0.1 - (1 - PACE) * 0.2)
     assert slo.decode_s == pytest.approx(0.022) and slo.counts.given_up_tpot == 0
     clock[0] = first + 19 * 0.2 - 18 * 0.02  # 18 to go at 0.02 s each: under the 0.022 s decode step
     for _ in range(3):
@@ -157,7 +157,8 @@ def test_dear_mixed_decodes_split_the_step_into_decode_only_then_prefill_only() 
     second = run_step(s, clock, DEAR)
     assert not second.decodes and [c.request_id for c in second.chunks] == ["p"]
     assert slo.mode == "prefill-only"
-    limit = min(min(slo.per_token_s(r, now) for r in running), STEP_CAP_TPOTS * 0.2)
+    paced = (max(slo.per_token_s(r, now, PACE), slo.decode_s) for r in running)
+    limit = min(min(paced), STEP_CAP_TPOTS * 0.2)
     assert slo.target_s == pytest.approx(limit - slo.decode_s)
     assert second.chunks[0].length == min(300, slo.chunk_budget(StepFeatures(), 0, 512)) > 0
     assert slo.counts.exclusive_steps == 1
@@ -286,8 +287,7 @@ def test_two_given_up_prompts_under_kv_pressure_both_finish() -> None:
 
 
 def test_no_exclusive_step_when_the_chunk_cannot_start() -> None:
-    """max_num_seqs full of dear decodes and a prompt waiting: no chunk can go next, so the decodes should
-    run every step (today: decode-only, then an empty prefill-only step, counted as exclusive, again)."""
+    """max_num_seqs full of dear decodes and a prompt waiting: no chunk can go next, so every step decodes."""
     s, slo, clock = make(DEAR, max_num_seqs=16)
     for i in range(16):
         s.add_request(f"d{i}", [1] * 4, 30)

@@ -11,7 +11,7 @@ import pytest
 from mixserve.core import Chunked, ScheduleOutput, Scheduler, SchedulerConfig
 from mixserve.core.cost_model import CostCoefficients, StepCostModel, TpotBudget, step_features
 from mixserve.core.request import Request
-from mixserve.core.slo import WAIT_BOUND_TTFTS, SloBudget, SloTargets, step_budget_for
+from mixserve.core.slo import PROBE_EVERY, WAIT_BOUND_TTFTS, SloBudget, SloTargets, step_budget_for
 
 COST = CostCoefficients(overhead_s=0.02, per_token_s=0.001, per_pair_s=0.0, per_seq_s=0.001)
 
@@ -198,3 +198,16 @@ def test_random_workloads_keep_budget_decodes_blocks_and_the_age_bound(seed: int
         for b in arrival:
             if arrival[b] > arrival[a] + late:  # b came when a had waited past the bound: a goes first
                 assert admitted_at[a] <= admitted_at[b], f"{b} admitted before {a}, which waited longer"
+
+
+def test_every_eighth_exclusive_choice_is_a_mixed_probe() -> None:
+    """A cost model where exclusive always wins: PROBE_EVERY - 1 choices in a row say exclusive, the
+    next says mixed (so per_mixed_decode keeps being fitted on mixed steps), then the run starts over."""
+    dear = CostCoefficients(0.02, 0.001, 0.0, 0.001, per_mixed_decode_s=0.01)
+    slo = SloBudget(StepCostModel(dear), SloTargets(2.0, 0.2), clock=lambda: 0.0)
+    slo.target_s = 0.4
+    decodes = step_features([(10, 1)] * 16)
+    choices = [slo.exclusive(decodes, 0, 512) for _ in range(2 * PROBE_EVERY)]
+    probe = [True] * (PROBE_EVERY - 1) + [False]
+    assert choices == probe + probe
+    assert slo.counts.exclusive_steps == 2 * (PROBE_EVERY - 1)
