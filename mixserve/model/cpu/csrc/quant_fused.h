@@ -94,6 +94,35 @@ void fused_pass(const uint8_t* w, int64_t row_bytes, int cols, const float* x, i
                                                                        : acc[c][r][0]);
 }
 
+// The pass for `rows` input rows (at most FUSED_ROWS) of a format known at run time
+template <int TYPE>
+void fused_rows_of(int rows, const uint8_t* w, int64_t row_bytes, int cols, const float* x, int64_t ldx,
+                   int64_t nb, float (*sums)[8]) {
+    switch (rows) {
+        case 1: return fused_pass<TYPE, 1>(w, row_bytes, cols, x, ldx, nb, sums);
+#if defined(__AVX512F__)  // FUSED_ROWS is 8 there, 2 on AVX2
+        case 2: return fused_pass<TYPE, 2>(w, row_bytes, cols, x, ldx, nb, sums);
+        case 3: return fused_pass<TYPE, 3>(w, row_bytes, cols, x, ldx, nb, sums);
+        case 4: return fused_pass<TYPE, 4>(w, row_bytes, cols, x, ldx, nb, sums);
+        case 5: return fused_pass<TYPE, 5>(w, row_bytes, cols, x, ldx, nb, sums);
+        case 6: return fused_pass<TYPE, 6>(w, row_bytes, cols, x, ldx, nb, sums);
+        case 7: return fused_pass<TYPE, 7>(w, row_bytes, cols, x, ldx, nb, sums);
+#endif
+        default: return fused_pass<TYPE, FUSED_ROWS>(w, row_bytes, cols, x, ldx, nb, sums);
+    }
+}
+
+inline void fused_rows(int type, int rows, const uint8_t* w, int64_t row_bytes, int cols, const float* x, int64_t ldx,
+                int64_t nb, float (*sums)[8]) {
+    switch (type) {
+        case Q4_0: return fused_rows_of<Q4_0>(rows, w, row_bytes, cols, x, ldx, nb, sums);
+        case Q4_1: return fused_rows_of<Q4_1>(rows, w, row_bytes, cols, x, ldx, nb, sums);
+        case Q5_0: return fused_rows_of<Q5_0>(rows, w, row_bytes, cols, x, ldx, nb, sums);
+        case Q5_1: return fused_rows_of<Q5_1>(rows, w, row_bytes, cols, x, ldx, nb, sums);
+        default: return fused_rows_of<Q8_0>(rows, w, row_bytes, cols, x, ldx, nb, sums);
+    }
+}
+
 }  // namespace mixserve
 
 #endif

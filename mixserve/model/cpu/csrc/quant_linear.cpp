@@ -156,41 +156,13 @@ void linear_int8_dot(int type, const float* x, int64_t ldx, int64_t m, const uin
 #endif
 
 #ifdef MIXSERVE_QUANT_FUSED
-template <int TYPE>
-void fused_rows_of(int rows, const uint8_t* w, int64_t row_bytes, int cols, const float* x, int64_t ldx,
-                   int64_t nb, float (*sums)[8]) {
-    switch (rows) {
-        case 1: return mixserve::fused_pass<TYPE, 1>(w, row_bytes, cols, x, ldx, nb, sums);
-#if defined(__AVX512F__)  // FUSED_ROWS is 8 there, 2 on AVX2
-        case 2: return mixserve::fused_pass<TYPE, 2>(w, row_bytes, cols, x, ldx, nb, sums);
-        case 3: return mixserve::fused_pass<TYPE, 3>(w, row_bytes, cols, x, ldx, nb, sums);
-        case 4: return mixserve::fused_pass<TYPE, 4>(w, row_bytes, cols, x, ldx, nb, sums);
-        case 5: return mixserve::fused_pass<TYPE, 5>(w, row_bytes, cols, x, ldx, nb, sums);
-        case 6: return mixserve::fused_pass<TYPE, 6>(w, row_bytes, cols, x, ldx, nb, sums);
-        case 7: return mixserve::fused_pass<TYPE, 7>(w, row_bytes, cols, x, ldx, nb, sums);
-#endif
-        default: return mixserve::fused_pass<TYPE, mixserve::FUSED_ROWS>(w, row_bytes, cols, x, ldx, nb, sums);
-    }
-}
-
-void fused_rows(int type, int rows, const uint8_t* w, int64_t row_bytes, int cols, const float* x, int64_t ldx,
-                int64_t nb, float (*sums)[8]) {
-    switch (type) {
-        case mixserve::Q4_0: return fused_rows_of<mixserve::Q4_0>(rows, w, row_bytes, cols, x, ldx, nb, sums);
-        case mixserve::Q4_1: return fused_rows_of<mixserve::Q4_1>(rows, w, row_bytes, cols, x, ldx, nb, sums);
-        case mixserve::Q5_0: return fused_rows_of<mixserve::Q5_0>(rows, w, row_bytes, cols, x, ldx, nb, sums);
-        case mixserve::Q5_1: return fused_rows_of<mixserve::Q5_1>(rows, w, row_bytes, cols, x, ldx, nb, sums);
-        default: return fused_rows_of<mixserve::Q8_0>(rows, w, row_bytes, cols, x, ldx, nb, sums);
-    }
-}
-
 // The float32 product with each block decoded in registers (quant_fused.h): columns in pairs.
 void linear_fused(int type, const float* x, int64_t ldx, int64_t m, const uint8_t* w, int64_t row_bytes,
                   int64_t n, int64_t k, const float* bias, float* out, int64_t ldo, int num_threads) {
     const int64_t nb = k / 32;
     column_pairs<mixserve::FUSED_ROWS>(m, n, bias, out, ldo, num_threads,
                                        [&](int rn, int64_t j0, int cols, int64_t r0, auto sums) {
-        fused_rows(type, rn, w + j0 * row_bytes, row_bytes, cols, x + r0 * ldx, ldx, nb, sums);
+        mixserve::fused_rows(type, rn, w + j0 * row_bytes, row_bytes, cols, x + r0 * ldx, ldx, nb, sums);
     });
 }
 #endif
