@@ -5,8 +5,9 @@ The default model (or --model PATH) in float32 (or --dtype bfloat16), the decode
 bench/forward.py checks (one token; 32 sequences at context 512). Each op of the model's forward (each
 linear by its weight's shape, the norms, SiLU, RoPE, attention) is timed with perf_counter around the call;
 ms per forward, median of the repeats, beside the forward's own time, so the untimed rest (embedding,
-Python) shows too. The timers add two perf_counter calls an op. Prints the CPU's flags and the kernel build
-it ran ($MIXSERVE_KERNEL_MARCH=haswell: the AVX2 code).
+Python) shows too. The timers add two perf_counter calls an op, and need the layers' Python body: a model
+whose decode steps the C++ layer stack runs (model/cpu/decode_layers.py) runs the body here instead.
+Prints the CPU's flags and the kernel build it ran ($MIXSERVE_KERNEL_MARCH=haswell: the AVX2 code).
 """
 
 from __future__ import annotations

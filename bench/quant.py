@@ -1,7 +1,8 @@
 """Does keeping a GGUF's weights in their quantized blocks (`[engine] quantization = auto`) pay on this CPU?
 
 Not a test. Run: .venv/bin/python bench/quant.py [--modes none,auto] [--steps 100] [--context 64]
-[--threads 0] [--model FILE] [--llama-bench PATH] [--json PATH].
+[--threads 0] [--model FILE] [--llama-bench PATH] [--json PATH]. A mode: auto, none, int8, or one of them
+with -body (auto-body: its decode steps through the Python layer body, not the C++ layer stack).
 Per mode, side by side: the weight bytes one decoded token reads (each layer's linears and the LM head:
 a QuantWeight's `.nbytes`, a float weight's parameter bytes; the embedding reads one row, so the table is
 not counted again when the head is tied to it), single-stream ms per token and tok/s, and peak and steady
@@ -44,6 +45,7 @@ from argv import write_report  # noqa: E402
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "f16c", "fma")
 BLOCK_SIZE, ROUND_STEPS, WARM_STEPS, RSS_BLOCKS = 16, 10, 3, 8
 MB = 1e6
+BODY = "-body"  # a mode's suffix: decode steps through the Python layer body (see `load`)
 
 
 def kb_mb(kb: int) -> float:
@@ -69,8 +71,13 @@ def proc_status_kb(key: str) -> int:
 
 
 def load(model: str, mode: str, num_blocks: int) -> ModelRunner:
-    return ModelRunner.from_pretrained(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, device="cpu",
-                                       dtype="float32", quantization=mode)
+    """A runner of `mode`; MODE-body: that mode with its decode steps run by the Python layer body instead
+    of the C++ layer stack (model/cpu/decode_layers.py), to see what the stack saves."""
+    runner = ModelRunner.from_pretrained(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, device="cpu",
+                                         dtype="float32", quantization=mode.removesuffix(BODY))
+    if mode.endswith(BODY):
+        runner.model.stack = None
+    return runner
 
 
 def tensor_bytes(w: Any) -> int:
@@ -203,7 +210,7 @@ def savings(rows: dict[str, dict[str, Any]], fp32: int, file_bytes: int) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", default="none,auto", help="comma-separated: auto, none, int8")
+    ap.add_argument("--modes", default="none,auto", help="comma-separated: auto, none, int8, MODE-body")
     ap.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: one per core, bound)")
     ap.add_argument("--steps", type=int, default=100, help="timed decode steps per mode")
@@ -221,7 +228,7 @@ def main() -> None:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     print(f"cpu: {cpu_flags()}  kernels: {build.describe()}  threads {torch.get_num_threads()}")
     print(f"model {model}  context {args.context}  steps {args.steps} per mode (rounds of {ROUND_STEPS})")
-    rows: dict[str, dict[str, Any]] = {m: measure_rss(model, m, args) for m in modes}
+    rows: dict[str, dict[str, Any]] = {m: measure_rss(model, m.removesuffix(BODY), args) for m in modes}
     for m, r in rows.items():
         print(f"rss {m}: baseline {kb_mb(r['baseline_kb']):.1f} MB  peak {kb_mb(r['peak_kb']):.1f} MB  "
               f"steady {kb_mb(r['steady_kb']):.1f} MB")

@@ -164,6 +164,11 @@ class DecoderModel(nn.Module):
             layer.prepare(ops)
         # A packed copy even when tied (the embedding gathers rows of the plain one): see ops._MIN_ROWS.
         self.head = HeadWeight(ops.pack(self.lm_head))
+        self.stack = None  # decode steps' layers as one C++ call where every layer is a plain quantized one
+        if ops.name.endswith("+cpp") and self.dtype == torch.float32:
+            from mixserve.model.cpu import decode_layers
+
+            self.stack = decode_layers.plan(self, ops)
 
     def forward(
         self,
@@ -187,11 +192,10 @@ class DecoderModel(nn.Module):
             hidden = F.embedding(input_ids, self.embed) if tp is None else tp.embed(input_ids, self.embed)
         if cfg.embed_scale != 1.0:  # in the model's dtype, as HF's Gemma scales it
             hidden = hidden * torch.tensor(cfg.embed_scale, dtype=hidden.dtype)
-        rots = [ops.rotary_state(table, meta.positions) for table in self.rotaries]
-        residual: Tensor | None = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            rot = rots[layer.rope_table]
-            hidden, residual = layer(hidden, residual, rot, k_cache, v_cache, attn, meta, ops)
+        if self.stack is not None and self.stack.runs(ops, hidden.shape[0], attn.name):
+            hidden, residual = self.stack.run(hidden, meta, kv_caches)
+        else:
+            hidden, residual = self._run_layers(hidden, meta, kv_caches, attn, ops)
         # Only each sequence's last token goes on: the last residual add fuses into the final norm.
         last = meta.last_token_index if meta.logits_index is None else meta.logits_index
         eps = cfg.rms_norm_eps
@@ -205,6 +209,16 @@ class DecoderModel(nn.Module):
         if cfg.final_softcap:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits
+
+    def _run_layers(self, hidden: Tensor, meta: AttentionMetadata, kv_caches: KVCaches,
+                    attn: AttentionBackend, ops: LayerOps) -> tuple[Tensor, Tensor | None]:
+        """Every layer through the Python body: (hidden, residual); residual None without layers."""
+        rots = [ops.rotary_state(table, meta.positions) for table in self.rotaries]
+        residual: Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            rot = rots[layer.rope_table]
+            hidden, residual = layer(hidden, residual, rot, k_cache, v_cache, attn, meta, ops)
+        return hidden, residual
 
     def load_hf_weights(self, sd, where: str, inv_freq: Tensor | None = None) -> None:
         """Copy HF-named weights (model.layers.N.self_attn.q_proj.weight, ...) in, fusing QKV and gate/up."""
