@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import resource
 import statistics
@@ -33,7 +34,7 @@ import torch
 
 import mixserve  # noqa: F401  (the baseline RSS: torch and mixserve imported)
 from mixserve.core.batch import ForwardBatch, ForwardSeq
-from mixserve.engine.threads import bind_threads, set_threads
+from mixserve.engine.threads import available_cores, bind_threads, set_threads
 from mixserve.model.cpu import build
 from mixserve.model.cpu.quant_linear import QuantWeight
 from mixserve.model.loader import default_model_path
@@ -151,11 +152,16 @@ def rss_only(model: str, mode: str, context: int) -> None:
     print(json.dumps(out))
 
 
+def unbound() -> None:
+    """A child back on all the cores: bind_threads pinned this thread, and a child inherits that."""
+    os.sched_setaffinity(0, available_cores())
+
+
 def measure_rss(model: str, mode: str, args: argparse.Namespace) -> dict[str, int]:
     """--rss-only MODE in a subprocess; its JSON line."""
     cmd = [sys.executable, __file__, "--rss-only", mode, "--model", model, "--threads", str(args.threads),
            "--context", str(args.context)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, preexec_fn=unbound)
     if proc.returncode != 0:
         raise SystemExit(f"--rss-only {mode} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -165,7 +171,8 @@ def llama_bench(path: str, model: str, threads: int) -> float | None:
     """llama-bench's tok/s for tg128 on `model` (parsed from its markdown table), None after a line why."""
     cmd = [str(Path(path).expanduser()), "-m", model, "-p", "0", "-n", "128", "-t", str(threads)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=300)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=300,
+                              preexec_fn=unbound)
     except (OSError, subprocess.TimeoutExpired) as e:
         print(f"llama-bench: {e}")
         return None

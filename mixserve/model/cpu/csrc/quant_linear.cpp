@@ -259,20 +259,23 @@ int mixserve_quant_decode_panels(int type, const void* data, int64_t row_bytes, 
     const int64_t n_panels = (count + WIDTH - 1) / WIDTH;
 #pragma omp parallel num_threads(num_threads)
     {
-        std::vector<float> rows(WIDTH * k);  // the panel's rows decoded row-major (in L2), then transposed
+        // the panel's rows decoded row-major (in L2), then transposed; a row's stride padded by a line so the
+        // transpose's WIDTH reads fall in different L1 sets (k = 1536: a 6 KiB stride maps them to 2 sets)
+        const int64_t ld = k + 16;
+        std::vector<float> rows(WIDTH * ld);
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < n_panels; ++p) {
             const int64_t valid = std::min<int64_t>(WIDTH, count - p * WIDTH);
             for (int64_t c = 0; c < WIDTH; ++c) {
                 const int64_t j = first + p * WIDTH + c;
-                float* dst = rows.data() + c * k;
+                float* dst = rows.data() + c * ld;
                 if (c < valid) decode_row(type, w + j * row_bytes, k, scales ? scales[j] : 1.f, dst);
                 else std::fill_n(dst, k, 0.f);
             }
             // writes in order; the reads touch WIDTH lines at a time, each reused for 16 k: they stay in L1
             float* panel = panels + p * k * WIDTH;
             for (int64_t kk = 0; kk < k; ++kk)
-                for (int64_t c = 0; c < WIDTH; ++c) panel[kk * WIDTH + c] = rows[c * k + kk];
+                for (int64_t c = 0; c < WIDTH; ++c) panel[kk * WIDTH + c] = rows[c * ld + kk];
         }
     }
     return 0;
