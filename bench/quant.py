@@ -86,8 +86,8 @@ def tensor_bytes(w: Any) -> int:
 
 
 def weight_bytes_per_token(runner: ModelRunner) -> int:
-    """Bytes of weights one decode step reads: every layer's linears and the LM head (a MoE layer: all of
-    its experts' tensors, an upper bound)."""
+    """Bytes of weights one decode step reads: every layer's linears and the LM head (a MoE layer: the
+    router and top_k / num_experts of its experts' bytes, what one token reads on average)."""
     model = runner.model
     total = tensor_bytes(model.lm_head)
     for layer in model.layers:
@@ -96,7 +96,9 @@ def weight_bytes_per_token(runner: ModelRunner) -> int:
         if hasattr(mlp, "gate_up"):
             total += tensor_bytes(mlp.gate_up) + tensor_bytes(mlp.down)
         else:
-            total += sum(tensor_bytes(p) for p in mlp.parameters())
+            experts = sum(tensor_bytes(w) for pair in mlp.quantized for w in pair) or sum(
+                tensor_bytes(p) for n, p in mlp.named_parameters() if n != "gate")
+            total += tensor_bytes(mlp.gate) + experts * mlp.top_k // mlp.num_experts
     return total
 
 
@@ -117,7 +119,7 @@ def decode_round(runner: ModelRunner, context: int, table: list[int], steps: int
     """Seconds of each of `steps` one-token decode steps at positions context, context + 1, ..."""
     times = []
     for j in range(steps):
-        batch = ForwardBatch([ForwardSeq("p", [1000 + j], context + j, table)])
+        batch = ForwardBatch([ForwardSeq("p", [(1000 + j) % runner.config.vocab_size], context + j, table)])
         t0 = time.perf_counter()
         runner.forward(batch)
         times.append(time.perf_counter() - t0)

@@ -59,7 +59,7 @@ def _blocks(t: TensorInfo) -> torch.Tensor:
     """The tensor's bytes as (rows, row bytes) uint8, a view of the read-only map (never written)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch warns that the map is not writable
-        return torch.from_numpy(t.data).view(int(np.prod(t.shape[:-1], dtype=np.int64)), -1)
+        return torch.from_numpy(t.data).view(*t.shape[:-1], -1)  # experts: (E, rows, row bytes)
 
 
 class _Kept:
@@ -70,7 +70,7 @@ class _Kept:
         self.said: set[int] = set()
 
     def __call__(self, t: TensorInfo, key: str) -> bool:
-        if not self.on or t.ggml_type in _FLOAT_TYPES or len(t.shape) != 2 or key in EXPERT_NAMES:
+        if not self.on or t.ggml_type in _FLOAT_TYPES or len(t.shape) != (3 if key in EXPERT_NAMES else 2):
             return False
         if quant_linear.format_name(t.ggml_type) is None:
             if t.ggml_type not in self.said:

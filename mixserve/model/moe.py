@@ -1,6 +1,7 @@
 """The mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks `top_k` gated MLPs per token, and the
 step's tokens run grouped by expert: one gate/up GEMM, activation and down GEMM per active expert on its rows,
-through the ops' packed linears (on a CPU the prepacked GEMMs, and the few-row kernels decode steps hit)."""
+through the ops' packed linears (on a CPU the prepacked GEMMs, and the few-row kernels decode steps hit).
+A GGUF file's experts stay in their blocks where the dense linears do (cpu/quant_linear.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import torch
 from torch import Tensor, nn
 
 from mixserve.model.config import ModelConfig
+from mixserve.model.cpu.quant_linear import QuantWeight
 from mixserve.model.mlp import MlpWeights, activation_and_mul, param
 from mixserve.model.ops import LayerOps
+from mixserve.model.weights import dense
 
 if TYPE_CHECKING:
     from mixserve.model.weights import WeightSource
@@ -52,14 +55,15 @@ class SparseMlp(nn.Module):
         self.gate = param(e, h, dtype=dtype, device=device)
         self.gate_up = param(e, 2 * i, h, dtype=dtype, device=device)
         self.down = param(e, h, i, dtype=dtype, device=device)
+        self.quantized: tuple[tuple[QuantWeight, QuantWeight], ...] = ()  # (gate_up, down) per expert if kept
         # 0..E: searched in the sorted expert ids, they give where each expert's rows start and end
         self.register_buffer("expert_ids", torch.arange(e + 1, device=device), persistent=False)
 
     def prepare(self, ops: LayerOps) -> None:
         """Pack the router and each expert's two weights for `ops` (views of the loaded ones: no copy where
         the ops take the plain weight)."""
-        experts = tuple(MlpWeights(gate_up=ops.pack(self.gate_up[j]), down=ops.pack(self.down[j]))
-                        for j in range(self.num_experts))
+        weights = self.quantized or tuple((self.gate_up[j], self.down[j]) for j in range(self.num_experts))
+        experts = tuple(MlpWeights(gate_up=ops.pack(gu), down=ops.pack(d)) for gu, d in weights)
         self.packed = SparseWeights(router=ops.pack(self.gate), experts=experts)
         self.act = activation_and_mul(self.activation, ops)
 
@@ -67,7 +71,7 @@ class SparseMlp(nn.Module):
         """x (T, hidden) -> the weighted sum of each token's top_k experts, (T, hidden) in x's dtype."""
         logits = ops.linear(x, self.packed.router, None)  # in the model's dtype, as HF's router linear
         weights, experts = route(logits, self.top_k, self.renormalise, self.weights_dtype)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # (quantized experts load on a CPU only)
             return self.all_experts(x, weights, experts)
         return self.grouped(x, weights, experts, ops)
 
@@ -103,11 +107,21 @@ class SparseMlp(nn.Module):
 
     def load(self, src: WeightSource, prefix: str) -> None:
         """From the canonical names under `prefix` ("model.layers.N.mlp."): gate.weight (the router) and
-        experts.J.{gate,up,down}_proj.weight (families/moe.py renames and splits the others' into these)."""
-        take, put = src.take, src.put  # the experts load dequantized: their kernels are float ones
-        put(self.gate, take(prefix + "gate.weight"), prefix + "gate.weight")
-        for j in range(self.num_experts):
-            p = f"{prefix}experts.{j}."
-            put(self.gate_up[j], torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]),
-                p + "gate_up_proj.weight")
-            put(self.down[j], take(p + "down_proj.weight"), p + "down_proj.weight")
+        experts.J.{gate,up,down}_proj.weight (families/moe.py renames and splits the others' into these).
+        Experts all quantized (a GGUF file's, kept in their blocks) stay so; else they load as floats."""
+        src.put(self.gate, src.take(prefix + "gate.weight"), prefix + "gate.weight")
+        names = [(f"{prefix}experts.{j}.gate_up_proj.weight", f"{prefix}experts.{j}.down_proj.weight")
+                 for j in range(self.num_experts)]
+        kept = [(src.rows([gu.replace("gate_up", "gate"), gu.replace("gate_up", "up")]), src.raw(d))
+                for gu, d in names]
+        for j, ((gu_name, d_name), (gu, d)) in enumerate(zip(names, kept, strict=True)):
+            src.check(self.gate_up[j], gu, gu_name)
+            src.check(self.down[j], d, d_name)
+        if all(isinstance(w, QuantWeight) for pair in kept for w in pair):
+            self.quantized = tuple(kept)  # type: ignore[assignment]  (all QuantWeight: checked above)
+            for attr in ("gate_up", "down"):  # never touched, so never resident: the blocks replace them
+                self._parameters.pop(attr)
+            return
+        for j, (gu, d) in enumerate(kept):
+            self.gate_up[j].copy_(dense(gu))
+            self.down[j].copy_(dense(d))
