@@ -1,5 +1,6 @@
-// Few-row products of the 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) in float32, each block
-// decoded in registers and multiplied there: no decoded copy goes through memory. The products are those of
+// Few-row products of the 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and of Q4_K / Q6_K (the
+// two a Q4_K_M file is mostly made of) in float32, each block decoded in registers and multiplied there: no
+// decoded copy goes through memory. The products are those of
 // dequantize-then-matmul (float32 rounding aside), so a decode step's logits equal a whole prefill's.
 #pragma once
 #include <immintrin.h>
@@ -94,21 +95,99 @@ void fused_pass(const uint8_t* w, int64_t row_bytes, int cols, const float* x, i
                                                                        : acc[c][r][0]);
 }
 
+// acc[r][h] += w[0..NV) . x row r's NV * LANES elements from `x`, for ROWS rows
+template <int ROWS, int H, int NV>
+inline void fma_span(const Vf* w, const float* x, int64_t ldx, int h, Vf (*acc)[H]) {
+    for (int r = 0; r < ROWS; ++r)
+        for (int v = 0; v < NV; ++v) acc[r][h] = vfmadd(w[v], vload(x + r * ldx + LANES * v), acc[r][h]);
+}
+
+// One Q4_K super-block (256 elements, quant_blocks.h's decode_q4_k) against x's rows from `x`: each pair of
+// sub-blocks shares 32 bytes, the low nibbles the first one's 32 weights, the high nibbles the second's.
+template <int ROWS, int H>
+inline void q4_k_block(const uint8_t* blk, const float* x, int64_t ldx, Vf (*acc)[H]) {
+    const float d = half_to_float(read_half(blk)), dmin = half_to_float(read_half(blk + 2));
+    const uint8_t* q = blk + 16;
+    for (int j = 0; j < 8; j += 2, q += 32) {
+        int sc0, mn0, sc1, mn1;
+        scale_min_k4(j, blk + 4, &sc0, &mn0);
+        scale_min_k4(j + 1, blk + 4, &sc1, &mn1);
+        const Vf d0 = vbroadcast(d * sc0), m0 = vbroadcast(-dmin * mn0);
+        const Vf d1 = vbroadcast(d * sc1), m1 = vbroadcast(-dmin * mn1);
+        const __m128i a = load16(q), b = load16(q + 16);
+        Vf w0[2 * V16], w1[2 * V16];
+        weights16<false>(low_nibbles(a), d0, m0, w0);
+        weights16<false>(low_nibbles(b), d0, m0, w0 + V16);
+        weights16<false>(high_nibbles(a), d1, m1, w1);
+        weights16<false>(high_nibbles(b), d1, m1, w1 + V16);
+        fma_span<ROWS, H, 2 * V16>(w0, x + 32 * j, ldx, 0, acc);
+        fma_span<ROWS, H, 2 * V16>(w1, x + 32 * j + 32, ldx, H - 1, acc);
+    }
+}
+
+// One Q6_K super-block (quant_blocks.h's decode_q6_k): 16 weights a (half, h, part), scale d sc, offset -32.
+template <int ROWS, int H>
+inline void q6_k_block(const uint8_t* blk, const float* x, int64_t ldx, Vf (*acc)[H]) {
+    const uint8_t *ql = blk, *qh = blk + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = half_to_float(read_half(blk + 208));
+    for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8, x += 128) {
+        for (int h = 0; h < 32; h += 16) {
+            const __m128i a = load16(ql + h), c = load16(ql + 32 + h), hi = load16(qh + h);
+            const __m128i q[4] = {_mm_or_si128(low_nibbles(a), high_bits(hi, 0, 3)),
+                                  _mm_or_si128(low_nibbles(c), high_bits(hi, 2, 3)),
+                                  _mm_or_si128(high_nibbles(a), high_bits(hi, 4, 3)),
+                                  _mm_or_si128(high_nibbles(c), high_bits(hi, 6, 3))};
+            for (int part = 0; part < 4; ++part) {
+                const float s = d * sc[h / 16 + 2 * part];
+                Vf w[V16];
+                weights16<false>(q[part], vbroadcast(s), vbroadcast(-32 * s), w);
+                fma_span<ROWS, H, V16>(w, x + 32 * part + h, ldx, part & (H - 1), acc);
+            }
+        }
+    }
+}
+
+// sums[c][r] as fused_pass, for the 256-element K formats
+template <int TYPE, int ROWS>
+void fused_pass_k(const uint8_t* w, int64_t row_bytes, int cols, const float* x, int64_t ldx, int64_t nb,
+                  float (*sums)[8]) {
+    constexpr int COLS2 = 2, H = ROWS > 4 ? 1 : 2;
+    Vf acc[COLS2][ROWS][H];
+    for (int c = 0; c < COLS2; ++c)
+        for (int r = 0; r < ROWS; ++r)
+            for (int h = 0; h < H; ++h) acc[c][r][h] = vzero();
+    walk_blocks<COLS2>(w, row_bytes, cols, nb, block_bytes(TYPE), [&](int c, int64_t b, const uint8_t* blk) {
+        if constexpr (TYPE == Q4_K) q4_k_block<ROWS, H>(blk, x + 256 * b, ldx, acc[c]);
+        else q6_k_block<ROWS, H>(blk, x + 256 * b, ldx, acc[c]);
+    });
+    for (int c = 0; c < cols; ++c)
+        for (int r = 0; r < ROWS; ++r) sums[c][r] = fused_hsum(H == 2 ? vadd(acc[c][r][0], acc[c][r][H - 1])
+                                                                       : acc[c][r][0]);
+}
+
+template <int TYPE, int ROWS>
+void fused_pass_of(const uint8_t* w, int64_t row_bytes, int cols, const float* x, int64_t ldx, int64_t nb,
+                   float (*sums)[8]) {
+    if constexpr (TYPE == Q4_K || TYPE == Q6_K) fused_pass_k<TYPE, ROWS>(w, row_bytes, cols, x, ldx, nb, sums);
+    else fused_pass<TYPE, ROWS>(w, row_bytes, cols, x, ldx, nb, sums);
+}
+
 // The pass for `rows` input rows (at most FUSED_ROWS) of a format known at run time
 template <int TYPE>
 void fused_rows_of(int rows, const uint8_t* w, int64_t row_bytes, int cols, const float* x, int64_t ldx,
                    int64_t nb, float (*sums)[8]) {
     switch (rows) {
-        case 1: return fused_pass<TYPE, 1>(w, row_bytes, cols, x, ldx, nb, sums);
+        case 1: return fused_pass_of<TYPE, 1>(w, row_bytes, cols, x, ldx, nb, sums);
 #if defined(__AVX512F__)  // FUSED_ROWS is 8 there, 2 on AVX2
-        case 2: return fused_pass<TYPE, 2>(w, row_bytes, cols, x, ldx, nb, sums);
-        case 3: return fused_pass<TYPE, 3>(w, row_bytes, cols, x, ldx, nb, sums);
-        case 4: return fused_pass<TYPE, 4>(w, row_bytes, cols, x, ldx, nb, sums);
-        case 5: return fused_pass<TYPE, 5>(w, row_bytes, cols, x, ldx, nb, sums);
-        case 6: return fused_pass<TYPE, 6>(w, row_bytes, cols, x, ldx, nb, sums);
-        case 7: return fused_pass<TYPE, 7>(w, row_bytes, cols, x, ldx, nb, sums);
+        case 2: return fused_pass_of<TYPE, 2>(w, row_bytes, cols, x, ldx, nb, sums);
+        case 3: return fused_pass_of<TYPE, 3>(w, row_bytes, cols, x, ldx, nb, sums);
+        case 4: return fused_pass_of<TYPE, 4>(w, row_bytes, cols, x, ldx, nb, sums);
+        case 5: return fused_pass_of<TYPE, 5>(w, row_bytes, cols, x, ldx, nb, sums);
+        case 6: return fused_pass_of<TYPE, 6>(w, row_bytes, cols, x, ldx, nb, sums);
+        case 7: return fused_pass_of<TYPE, 7>(w, row_bytes, cols, x, ldx, nb, sums);
 #endif
-        default: return fused_pass<TYPE, FUSED_ROWS>(w, row_bytes, cols, x, ldx, nb, sums);
+        default: return fused_pass_of<TYPE, FUSED_ROWS>(w, row_bytes, cols, x, ldx, nb, sums);
     }
 }
 
@@ -119,6 +198,8 @@ inline void fused_rows(int type, int rows, const uint8_t* w, int64_t row_bytes, 
         case Q4_1: return fused_rows_of<Q4_1>(rows, w, row_bytes, cols, x, ldx, nb, sums);
         case Q5_0: return fused_rows_of<Q5_0>(rows, w, row_bytes, cols, x, ldx, nb, sums);
         case Q5_1: return fused_rows_of<Q5_1>(rows, w, row_bytes, cols, x, ldx, nb, sums);
+        case Q4_K: return fused_rows_of<Q4_K>(rows, w, row_bytes, cols, x, ldx, nb, sums);
+        case Q6_K: return fused_rows_of<Q6_K>(rows, w, row_bytes, cols, x, ldx, nb, sums);
         default: return fused_rows_of<Q8_0>(rows, w, row_bytes, cols, x, ldx, nb, sums);
     }
 }

@@ -157,9 +157,11 @@ void linear_int8_dot(int type, const float* x, int64_t ldx, int64_t m, const uin
 
 #ifdef MIXSERVE_QUANT_FUSED
 // The float32 product with each block decoded in registers (quant_fused.h): columns in pairs.
+bool fused_type(int type) { return int8_dot_type(type) || type == mixserve::Q4_K || type == mixserve::Q6_K; }
+
 void linear_fused(int type, const float* x, int64_t ldx, int64_t m, const uint8_t* w, int64_t row_bytes,
                   int64_t n, int64_t k, const float* bias, float* out, int64_t ldo, int num_threads) {
-    const int64_t nb = k / 32;
+    const int64_t nb = k / mixserve::block_elems(type);
     column_pairs<mixserve::FUSED_ROWS>(m, n, bias, out, ldo, num_threads,
                                        [&](int rn, int64_t j0, int cols, int64_t r0, auto sums) {
         mixserve::fused_rows(type, rn, w + j0 * row_bytes, row_bytes, cols, x + r0 * ldx, ldx, nb, sums);
@@ -194,7 +196,7 @@ int mixserve_quant_linear(int type, const float* x, int64_t ldx, int64_t m, cons
     }
 #endif
 #ifdef MIXSERVE_QUANT_FUSED
-    if (int8_dot_type(type)) {  // the same 32-element formats
+    if (fused_type(type)) {
         linear_fused(type, x, ldx, m, w, row_bytes, n, k, bias, out, ldo, num_threads);
         return 0;
     }
