@@ -49,7 +49,7 @@ class SparseMlp(nn.Module):
         if moe is None:
             raise ValueError("SparseMlp needs a ModelConfig with a MoeConfig")
         e, h, i = moe.num_experts, cfg.hidden_size, moe.intermediate_size
-        self.num_experts, self.top_k, self.renormalise = e, moe.top_k, moe.norm_topk_prob
+        self.num_experts, self.top_k, self.renormalise, self.inter = e, moe.top_k, moe.norm_topk_prob, i
         self.activation = cfg.activation
         self.weights_dtype = dtype if moe.weights_in_model_dtype else torch.float32
         self.gate = param(e, h, dtype=dtype, device=device)
@@ -66,6 +66,12 @@ class SparseMlp(nn.Module):
         experts = tuple(MlpWeights(gate_up=ops.pack(gu), down=ops.pack(d)) for gu, d in weights)
         self.packed = SparseWeights(router=ops.pack(self.gate), experts=experts)
         self.act = activation_and_mul(self.activation, ops)
+        self.native = None  # the experts' C++ loop, where the CPU ops packed every expert for one
+        if ops.name.endswith("+cpp"):
+            from mixserve.model.cpu import moe_experts
+
+            self.native = moe_experts.plan([(w.gate_up, w.down) for w in experts], self.gate.dtype,
+                                           self.gate.shape[1], self.inter, self.activation, ops.name)
 
     def forward(self, x: Tensor, ops: LayerOps) -> Tensor:
         """x (T, hidden) -> the weighted sum of each token's top_k experts, (T, hidden) in x's dtype."""
@@ -81,12 +87,16 @@ class SparseMlp(nn.Module):
         t, k = experts.shape
         sorted_ids, order = torch.sort(experts.flatten(), stable=True)
         rows = x.index_select(0, order // k)
-        # The layer's one host sync: where each expert's run of rows starts, as a list for the slicing.
-        bounds = torch.searchsorted(sorted_ids, self.expert_ids).tolist()
+        starts = torch.searchsorted(sorted_ids, self.expert_ids)  # where each expert's run of rows starts
         out = torch.empty_like(rows)
-        for j, w in enumerate(self.packed.experts):
+        # the C++ loop takes the experts its kernels can (rows the ops' kernels would take as well); the
+        # rest, and every expert where there is none, run here (the layer's one host sync: the bounds)
+        left = range(self.num_experts) if self.native is None else self.native.run(rows, starts, out)
+        bounds = starts.tolist() if left else []
+        for j in left:
             a, b = bounds[j], bounds[j + 1]
             if a < b:
+                w = self.packed.experts[j]
                 out[a:b] = ops.linear(self.act(ops.linear(rows[a:b], w.gate_up, None)), w.down, None)
         # weight * output in HF's dtypes (Mixtral's float32 weights promote the product), then each token's
         # sum over its choices

@@ -186,12 +186,24 @@ def test_the_experts_run_the_runners_cpu_ops(checkpoints, monkeypatch: pytest.Mo
         return real(x, w, bias)
 
     monkeypatch.setattr(few_row_linear, "linear", spy)
+    moe_layers = [layer.mlp for layer in runner.model.layers if isinstance(layer.mlp, SparseMlp)]
+    tables = [mlp.native for mlp in moe_layers]
+    assert all(t is not None for t in tables)  # the C++ loop, on the same panels
+    left: list[list[int]] = []
+    real_run = type(tables[0]).run
+    monkeypatch.setattr(type(tables[0]), "run", lambda self, *a: left.append(real_run(self, *a)) or left[-1])
     # a decode step of 3 sequences: each expert sees at most 3 rows, so its GEMMs take the few-row panels
-    runner.forward(ForwardBatch([ForwardSeq(r, [5 + i], 0, [i]) for i, r in enumerate("abc")]))
-    moe_layers = sum(isinstance(layer.mlp, SparseMlp) for layer in runner.model.layers)
-    for shape in ((2 * MOE_INTERMEDIATE, HIDDEN), (HIDDEN, MOE_INTERMEDIATE)):  # gate_up, down
+    batch = ForwardBatch([ForwardSeq(r, [5 + i], 0, [i]) for i, r in enumerate("abc")])
+    runner.forward(batch)
+    shapes = ((2 * MOE_INTERMEDIATE, HIDDEN), (HIDDEN, MOE_INTERMEDIATE))  # gate_up, down
+    assert left == [[]] * len(moe_layers)  # every expert in the C++ loop, none through Python's calls
+    assert not [c for c in calls if c[:2] in shapes], calls
+    for mlp in moe_layers:  # and without it, the Python loop's calls reach the same panels
+        mlp.native = None
+    runner.forward(ForwardBatch([ForwardSeq(r, [5 + i], 0, [i]) for i, r in enumerate("def")]))
+    for shape in shapes:
         rows = [m for n, k, m in calls if (n, k) == shape]
-        assert len(rows) >= TOP_K * moe_layers and max(rows) <= 3, (shape, calls)  # >= top_k experts each
+        assert len(rows) >= TOP_K * len(moe_layers) and max(rows) <= 3, (shape, calls)  # >= top_k experts
 
 
 @pytest.mark.parametrize("model", ["qwen3_moe", "mixtral"])

@@ -17,6 +17,7 @@ from mixserve.model.cpu import quant_linear as ql
 from mixserve.model.cpu.quant_linear import QuantWeight
 from mixserve.model.gguf_file import read_gguf
 from tests.gguf_writer import make_hf_folder, write_gguf
+from tests.model.test_moe_experts import both_loops
 from tests.model.test_quant_model import SAME_WEIGHTS_TOL, max_rel, teacher_forced
 
 T = gguf.GGMLQuantizationType
@@ -72,3 +73,9 @@ def test_quantized_experts_answer_as_dequantized(moe_file: Path) -> None:
         got, want = (teacher_forced(runners[m], prompt, tokens) for m in ("auto", "none"))
     assert max_rel(got, want) < SAME_WEIGHTS_TOL, max_rel(got, want)
     assert torch.equal(got.argmax(1), want.argmax(1))
+
+
+@pytest.mark.parametrize("tokens", [1, 6, 40])
+def test_quantized_experts_native_loop_equals_the_python_loop(moe_file: Path, tokens: int) -> None:
+    native, python, _ = both_loops(runner(moe_file, "auto"), tokens)  # 40: past the block kernel's rows
+    assert torch.equal(native, python)

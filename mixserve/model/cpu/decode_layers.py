@@ -51,7 +51,7 @@ class StepBatch(ctypes.Structure):
                 ("block_tables", _P), ("num_seqs", _I64), ("max_blocks", _I64)]
 
 
-def _linear_spec(w: QuantWeight, bias: Tensor | None) -> QuantLinearSpec:
+def linear_spec(w: QuantWeight, bias: Tensor | None) -> QuantLinearSpec:
     spec = QuantLinearSpec(n=w.n, k=w.k, segments=len(w.segments),
                            bias=None if bias is None else bias.data_ptr())
     for i, seg in enumerate(w.segments):
@@ -151,10 +151,10 @@ def plan(model: DecoderModel, ops: LayerOps) -> LayerStack | None:
             return None
         args = layer.attn_args
         window = int(args.get("window", 0))
-        spec.qkv = _linear_spec(layer.packed.qkv, layer.qkv_bias)
-        spec.o = _linear_spec(layer.packed.o_proj, None)
-        spec.gate_up = _linear_spec(layer.mlp.packed.gate_up, None)
-        spec.down = _linear_spec(layer.mlp.packed.down, None)
+        spec.qkv = linear_spec(layer.packed.qkv, layer.qkv_bias)
+        spec.o = linear_spec(layer.packed.o_proj, None)
+        spec.gate_up = linear_spec(layer.mlp.packed.gate_up, None)
+        spec.down = linear_spec(layer.mlp.packed.down, None)
         spec.input_norm, spec.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
         spec.cos, spec.sin = table.cos.data_ptr(), table.sin.data_ptr()
         spec.scale = check_features(layer.head_dim, args.get("scale"), window, args.get("softcap", 0.0))

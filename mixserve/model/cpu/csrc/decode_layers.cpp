@@ -7,10 +7,9 @@
 #include <cstdint>
 #include <cstring>
 
+#include "quant_spec.h"
+
 extern "C" {
-int mixserve_quant_linear(int type, const float* x, int64_t ldx, int64_t m, const void* data, int64_t row_bytes,
-                          int64_t n, int64_t k, const float* scales, const float* bias, float* out, int64_t ldo,
-                          int int8_inputs, int num_threads);
 int mixserve_rms_norm(int dtype, const void* x, int64_t x_stride, void* residual, const void* w, void* out,
                       int64_t rows, int64_t hidden, float eps, int num_threads);
 int mixserve_rotary(int dtype, void* qk, int64_t stride_t, int64_t stride_h, int64_t rows, int64_t heads,
@@ -31,22 +30,8 @@ int mixserve_gelu_tanh_and_mul(int dtype, const void* gate_up, void* out, int64_
 
 namespace {
 
-constexpr int MAX_SEGMENTS = 4;  // a fused q/k/v of three formats is the most a weight has
-
-// A quantized weight (quant_linear.QuantWeight): n output rows in segments of one format each.
-struct QuantLinearSpec {
-    int64_t n, k;
-    int64_t segments;
-    int64_t types[MAX_SEGMENTS];
-    const void* data[MAX_SEGMENTS];
-    int64_t row_bytes[MAX_SEGMENTS];
-    int64_t rows[MAX_SEGMENTS];
-    const float* scales[MAX_SEGMENTS];  // int8 per channel only
-    const float* bias;                  // null: none
-};
-
 struct LayerSpec {
-    QuantLinearSpec qkv, o, gate_up, down;
+    mixserve::QuantLinearSpec qkv, o, gate_up, down;
     const float* input_norm;
     const float* post_norm;
     const float* cos;  // this layer's RoPE table (max_position, head_dim / 2)
@@ -75,18 +60,6 @@ struct StepBatch {
     int64_t num_seqs, max_blocks;
 };
 
-int linear(const QuantLinearSpec& w, const float* x, int64_t m, float* out, int int8, int threads) {
-    int64_t col = 0;
-    for (int64_t s = 0; s < w.segments; ++s) {
-        const int rc = mixserve_quant_linear(static_cast<int>(w.types[s]), x, w.k, m, w.data[s], w.row_bytes[s],
-                                             w.rows[s], w.k, w.scales[s], w.bias ? w.bias + col : nullptr,
-                                             out + col, w.n, int8, threads);
-        if (rc != 0) return rc;
-        col += w.rows[s];
-    }
-    return 0;
-}
-
 }  // namespace
 
 extern "C" {
@@ -114,7 +87,7 @@ int mixserve_decode_layers(const StackShape* sh, const LayerSpec* layers, int64_
         } else {
             rc = mixserve_rms_norm(0, hidden, h, residual, L.input_norm, x, m, h, sh->eps, threads);
         }
-        if (rc == 0) rc = linear(L.qkv, x, m, qkv, int8, threads);
+        if (rc == 0) rc = mixserve::quant_linear(L.qkv, x, m, qkv, int8, threads);
         if (rc == 0)
             rc = mixserve_rotary(0, qkv, nqkv, d, m, sh->heads + sh->kv_heads, d, L.cos, L.sin, b->positions,
                                  threads);
@@ -126,13 +99,13 @@ int mixserve_decode_layers(const StackShape* sh, const LayerSpec* layers, int64_
                                           b->block_tables, b->num_seqs, b->max_blocks, sh->heads, sh->kv_heads, d,
                                           sh->block_size, nqkv, d, q_size, d, L.scale, threads, L.window,
                                           L.softcap);
-        if (rc == 0) rc = linear(L.o, att, m, hidden, int8, threads);
+        if (rc == 0) rc = mixserve::quant_linear(L.o, att, m, hidden, int8, threads);
         if (rc == 0) rc = mixserve_rms_norm(0, hidden, h, residual, L.post_norm, x, m, h, sh->eps, threads);
-        if (rc == 0) rc = linear(L.gate_up, x, m, gate_up, int8, threads);
+        if (rc == 0) rc = mixserve::quant_linear(L.gate_up, x, m, gate_up, int8, threads);
         if (rc == 0)
             rc = sh->gelu ? mixserve_gelu_tanh_and_mul(0, gate_up, act, m, sh->inter, threads)
                           : mixserve_silu_and_mul(0, gate_up, act, m, sh->inter, threads);
-        if (rc == 0) rc = linear(L.down, act, m, hidden, int8, threads);
+        if (rc == 0) rc = mixserve::quant_linear(L.down, act, m, hidden, int8, threads);
         if (rc != 0) return rc;
     }
     return 0;

@@ -1,0 +1,83 @@
+"""A mixture-of-experts layer's experts as one C++ call (csrc/moe_experts.cpp), where their kernels allow.
+
+`SparseMlp.grouped` runs each active expert's gate/up, activation and down on its run of the step's rows: ~5
+Python calls an expert, ~200 a layer on a decode step of a 64-expert model, ~8 us each. The C++ loop calls
+the same kernels (few-row float panels, or quantized blocks), so its output is bit-identical; an expert with
+more rows than its kernels take (a prefill chunk's) is left to the Python loop and its GEMMs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mixserve.model.cpu import quant_linear
+from mixserve.model.cpu.build import load_library
+from mixserve.model.cpu.decode_layers import MAX_SEGMENTS, QuantLinearSpec, linear_spec
+from mixserve.model.cpu.few_row_linear import PanelWeight
+from mixserve.model.cpu.layer_ops import DTYPE_CODE
+from mixserve.model.cpu.quant_linear import QuantWeight
+
+_I64, _P = ctypes.c_int64, ctypes.c_void_p
+
+
+class ExpertLinear(ctypes.Structure):
+    _fields_ = [("quantized", _I64), ("n", _I64), ("k", _I64), ("max_rows", _I64), ("panels", _P),
+                ("quant", QuantLinearSpec)]
+
+
+def _expert_linear(w: object, dtype: torch.dtype) -> ExpertLinear | None:
+    """The C++ view of one packed expert weight, or None where it has no few-row kernel."""
+    if isinstance(w, QuantWeight):  # (the int8-rounded inputs, a measurement switch, stay in Python)
+        if dtype != torch.float32 or len(w.segments) > MAX_SEGMENTS or quant_linear.INT8_INPUTS:
+            return None
+        return ExpertLinear(1, w.n, w.k, quant_linear.FEW_ROWS, None, linear_spec(w, None))
+    few = getattr(w, "few", None)  # the CPU ops' packed float weights keep their panels here
+    if not isinstance(few, PanelWeight) or few.panels.dtype != dtype:
+        return None
+    return ExpertLinear(0, few.n, few.k, few.max_rows, few.panels.data_ptr(), QuantLinearSpec())
+
+
+@dataclass
+class ExpertTable:
+    """Every expert's two linears as the C++ loop reads them, built once at prepare."""
+
+    gate_up: ctypes.Array  # of ExpertLinear
+    down: ctypes.Array
+    dtype: torch.dtype
+    hidden: int
+    inter: int
+    gelu: bool
+    weights: Sequence[object]  # the packed weights the pointers point into, held alive here
+
+    def run(self, rows: Tensor, bounds: Tensor, out: Tensor) -> list[int]:
+        """Each expert's output rows into `out` where the C++ loop takes its run; the experts it left."""
+        m = rows.shape[0]
+        gate_up = torch.empty((m, 2 * self.inter), dtype=self.dtype)
+        act = torch.empty((m, self.inter), dtype=self.dtype)
+        done = torch.zeros(len(self.gate_up), dtype=torch.uint8)
+        rc = load_library().mixserve_moe_experts(
+            ctypes.addressof(self.gate_up), ctypes.addressof(self.down), len(self.gate_up), bounds.data_ptr(),
+            DTYPE_CODE[self.dtype], rows.data_ptr(), gate_up.data_ptr(), act.data_ptr(), out.data_ptr(),
+            self.hidden, self.inter, int(self.gelu), done.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"the experts' kernels cannot take this step (code {rc})")
+        return (done == 0).nonzero().flatten().tolist()
+
+
+def plan(experts: Sequence[tuple[object, object]], dtype: torch.dtype, hidden: int, inter: int,
+         activation: str, ops_name: str) -> ExpertTable | None:
+    """The table for experts packed as (gate_up, down) by the CPU ops, or None where any lacks a kernel."""
+    if not ops_name.endswith("+cpp") or dtype not in DTYPE_CODE or activation not in ("silu", "gelu_tanh"):
+        return None
+    specs = [(_expert_linear(gu, dtype), _expert_linear(d, dtype)) for gu, d in experts]
+    if any(gu is None or d is None for gu, d in specs):
+        return None
+    gate_up = (ExpertLinear * len(specs))(*(gu for gu, _ in specs))
+    down = (ExpertLinear * len(specs))(*(d for _, d in specs))
+    return ExpertTable(gate_up, down, dtype, hidden, inter, activation == "gelu_tanh",
+                       [w for pair in experts for w in pair])
