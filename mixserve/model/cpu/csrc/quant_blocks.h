@@ -207,23 +207,25 @@ inline void decode_q5_k(const uint8_t* b, float* y) {
 // 16 sub-blocks of 16: w = d sc (q - 32), q 6 bits. Each half (128 elements) reads 64 ql, 32 qh, 8 scales:
 // element l (< 32) of its quarters 0..3 is ql[l] low, ql[l + 32] low, ql[l] high, ql[l + 32] high nibble,
 // topped by bits 0-1, 2-3, 4-5, 6-7 of qh[l].
-inline void decode_q6_k(const uint8_t* b, float* y) {
+template <typename Visit>
+inline void q6_k_sixteens(const uint8_t* b, Visit&& visit) {  // visit(element offset, 16 quants, scale)
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const float d = half_to_float(read_half(b + 208));
-    for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8, y += 128) {
+    for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8) {
         for (int h = 0; h < 32; h += 16) {  // l in [h, h + 16): sub-block scale index h / 16 (+ 2 a quarter)
             const __m128i a = load16(ql + h), c = load16(ql + 32 + h), hi = load16(qh + h);
             const __m128i q[4] = {_mm_or_si128(low_nibbles(a), high_bits(hi, 0, 3)),
                                   _mm_or_si128(low_nibbles(c), high_bits(hi, 2, 3)),
                                   _mm_or_si128(high_nibbles(a), high_bits(hi, 4, 3)),
                                   _mm_or_si128(high_nibbles(c), high_bits(hi, 6, 3))};
-            for (int part = 0; part < 4; ++part) {
-                const float s = d * sc[h / 16 + 2 * part];
-                affine16(q[part], s, -32 * s, y + 32 * part + h);
-            }
+            for (int part = 0; part < 4; ++part) visit(128 * half + 32 * part + h, q[part], d * sc[h / 16 + 2 * part]);
         }
     }
+}
+
+inline void decode_q6_k(const uint8_t* b, float* y) {
+    q6_k_sixteens(b, [&](int at, __m128i q, float s) { affine16(q, s, -32 * s, y + at); });
 }
 
 // One row of k elements (a whole number of blocks; INT8_ROW: any k, times `scale`) into y.

@@ -128,24 +128,11 @@ inline void q4_k_block(const uint8_t* blk, const float* x, int64_t ldx, Vf (*acc
 // One Q6_K super-block (quant_blocks.h's decode_q6_k): 16 weights a (half, h, part), scale d sc, offset -32.
 template <int ROWS, int H>
 inline void q6_k_block(const uint8_t* blk, const float* x, int64_t ldx, Vf (*acc)[H]) {
-    const uint8_t *ql = blk, *qh = blk + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-    const float d = half_to_float(read_half(blk + 208));
-    for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8, x += 128) {
-        for (int h = 0; h < 32; h += 16) {
-            const __m128i a = load16(ql + h), c = load16(ql + 32 + h), hi = load16(qh + h);
-            const __m128i q[4] = {_mm_or_si128(low_nibbles(a), high_bits(hi, 0, 3)),
-                                  _mm_or_si128(low_nibbles(c), high_bits(hi, 2, 3)),
-                                  _mm_or_si128(high_nibbles(a), high_bits(hi, 4, 3)),
-                                  _mm_or_si128(high_nibbles(c), high_bits(hi, 6, 3))};
-            for (int part = 0; part < 4; ++part) {
-                const float s = d * sc[h / 16 + 2 * part];
-                Vf w[V16];
-                weights16<false>(q[part], vbroadcast(s), vbroadcast(-32 * s), w);
-                fma_span<ROWS, H, V16>(w, x + 32 * part + h, ldx, part & (H - 1), acc);
-            }
-        }
-    }
+    q6_k_sixteens(blk, [&](int at, __m128i q, float s) {
+        Vf w[V16];
+        weights16<false>(q, vbroadcast(s), vbroadcast(-32 * s), w);
+        fma_span<ROWS, H, V16>(w, x + at, ldx, (at / 32) & (H - 1), acc);  // quarters alternate sums
+    });
 }
 
 // sums[c][r] as fused_pass, for the 256-element K formats
