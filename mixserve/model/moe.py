@@ -5,6 +5,7 @@ A GGUF file's experts stay in their blocks where the dense linears do (cpu/quant
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -84,26 +85,33 @@ class SparseMlp(nn.Module):
     def grouped(self, x: Tensor, weights: Tensor, experts: Tensor, ops: LayerOps) -> Tensor:
         """Each active expert once, on the rows routed to it: (token, choice) pairs sorted by expert, one
         gather of their rows, the GEMMs of each expert on its run of them, then each token's weighted sum."""
+        if self.native is not None:  # the same steps in C++, bit for bit, around the experts' C++ loop
+            rows, starts, order = self.native.dispatch(x, experts)
+            out = torch.empty_like(rows)
+            self.run_left(self.native.run(rows, starts, out), rows, starts, out, ops)
+            return self.native.combine(out, weights, order)
         t, k = experts.shape
         sorted_ids, order = torch.sort(experts.flatten(), stable=True)
         rows = x.index_select(0, order // k)
         starts = torch.searchsorted(sorted_ids, self.expert_ids)  # where each expert's run of rows starts
         out = torch.empty_like(rows)
-        # the C++ loop takes the experts its kernels can (rows the ops' kernels would take as well); the
-        # rest, and every expert where there is none, run here (the layer's one host sync: the bounds)
-        left = range(self.num_experts) if self.native is None else self.native.run(rows, starts, out)
-        bounds = starts.tolist() if left else []
-        for j in left:
-            a, b = bounds[j], bounds[j + 1]
-            if a < b:
-                w = self.packed.experts[j]
-                out[a:b] = ops.linear(self.act(ops.linear(rows[a:b], w.gate_up, None)), w.down, None)
+        self.run_left(range(self.num_experts), rows, starts, out, ops)
         # weight * output in HF's dtypes (Mixtral's float32 weights promote the product), then each token's
         # sum over its choices
         scaled = (out * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
         if x.is_cuda:  # index_add_'s atomics would add in a varying order there: back to pair order and sum
             return torch.empty_like(scaled).index_copy_(0, order, scaled).view(t, k, -1).sum(1)
         return torch.zeros_like(x).index_add_(0, order // k, scaled)  # on a CPU in row order: expert order
+
+    def run_left(self, left: Sequence[int], rows: Tensor, starts: Tensor, out: Tensor, ops: LayerOps) -> None:
+        """Experts `left` (all, or those the C++ loop could not take) on their runs of rows, into `out`
+        (the layer's one host sync: the bounds)."""
+        bounds = starts.tolist() if left else []
+        for j in left:
+            a, b = bounds[j], bounds[j + 1]
+            if a < b:
+                w = self.packed.experts[j]
+                out[a:b] = ops.linear(self.act(ops.linear(rows[a:b], w.gate_up, None)), w.down, None)
 
     def all_experts(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """Every expert on every row, weighted 0 where not chosen: no shape depends on the routing and no host

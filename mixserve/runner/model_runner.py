@@ -14,6 +14,7 @@ from mixserve.model.decoder import DecoderModel
 from mixserve.model.loader import load_model
 from mixserve.model.ops import CpuFeatures, LayerOps, cpu_features, log_bf16_on_cpu, select_ops
 from mixserve.model.tokenizer import Tokenizer
+from mixserve.runner.heap import keep_freed_memory
 from mixserve.runner.kv_cache import KVCache, num_blocks_for_memory
 
 
@@ -125,6 +126,8 @@ class ModelRunner:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be 0 (size from memory) or positive, got {num_blocks}")
         dev = resolve_device(device)
+        if dev.type == "cpu":
+            keep_freed_memory()  # the steps' buffers reused, not faulted in again (runner/heap.py)
         dt = resolve_dtype(dtype, dev)
         attention = get_backend(attention_backend, dev, dt)
         loaded = load_model(model, device=dev, dtype=dt, quantization=quantization)

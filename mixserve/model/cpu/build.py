@@ -57,6 +57,8 @@ SIGNATURES = {
     "mixserve_quant_decode_panels": [_I, _P, _I64, _I64, _P, _I64, _I64, _P, _I],
     "mixserve_decode_layers": [_P, _P, _I64, _P, _P, _P, _P, _I],
     "mixserve_moe_experts": [_P, _P, _I64, _P, _I, _P, _P, _P, _P, _I64, _I64, _I, _P, _I],
+    "mixserve_moe_dispatch": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I],
+    "mixserve_moe_combine": [_I, _P, _P, _P, _I64, _I64, _I64, _P, _I],
     "mixserve_kernel_isa": [],
 }
 # mixserve_kernel_isa's bits: the extensions the library was compiled for (not the CPU's: see kernel_isa)

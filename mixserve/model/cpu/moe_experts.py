@@ -2,8 +2,10 @@
 
 `SparseMlp.grouped` runs each active expert's gate/up, activation and down on its run of the step's rows: ~5
 Python calls an expert, ~200 a layer on a decode step of a 64-expert model, ~8 us each. The C++ loop calls
-the same kernels (few-row float panels, or quantized blocks), so its output is bit-identical; an expert with
-more rows than its kernels take (a prefill chunk's) is left to the Python loop and its GEMMs.
+the same kernels (few-row float panels, or quantized blocks); an expert with more rows than its kernels
+take (a quantized or bf16 prefill chunk's) is left to the Python loop and its GEMMs. Float32 panels on AVX-512
+take any rows here, a prefill chunk's too: an expert's run is as fast on them as on oneDNN's GEMM, and a layer
+of them stays one call. The sort, gather and weighted sum around the experts are C++ too (dispatch, combine).
 """
 
 from __future__ import annotations
@@ -18,11 +20,15 @@ from torch import Tensor
 from mixserve.model.cpu import quant_linear
 from mixserve.model.cpu.build import load_library
 from mixserve.model.cpu.decode_layers import MAX_SEGMENTS, QuantLinearSpec, linear_spec
-from mixserve.model.cpu.few_row_linear import PanelWeight
+from mixserve.model.cpu.few_row_linear import PanelWeight, panel_width
 from mixserve.model.cpu.layer_ops import DTYPE_CODE
 from mixserve.model.cpu.quant_linear import QuantWeight
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
+ANY_ROWS = 1 << 62  # max_rows of a kernel that takes any run of rows
+# float32 panels 64 wide (AVX-512) match oneDNN's GEMM at an expert's shapes at every row count measured
+# (docs/decisions/moe-experts-in-one-call.md); AVX2's 16-wide ones keep their few rows
+F32_ANY_ROWS_WIDTH = 64
 
 
 class ExpertLinear(ctypes.Structure):
@@ -39,7 +45,8 @@ def _expert_linear(w: object, dtype: torch.dtype) -> ExpertLinear | None:
     few = getattr(w, "few", None)  # the CPU ops' packed float weights keep their panels here
     if not isinstance(few, PanelWeight) or few.panels.dtype != dtype:
         return None
-    return ExpertLinear(0, few.n, few.k, few.max_rows, few.panels.data_ptr(), QuantLinearSpec())
+    rows = ANY_ROWS if dtype == torch.float32 and panel_width() == F32_ANY_ROWS_WIDTH else few.max_rows
+    return ExpertLinear(0, few.n, few.k, rows, few.panels.data_ptr(), QuantLinearSpec())
 
 
 @dataclass
@@ -53,6 +60,34 @@ class ExpertTable:
     inter: int
     gelu: bool
     weights: Sequence[object]  # the packed weights the pointers point into, held alive here
+
+    def dispatch(self, x: Tensor, experts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(rows, bounds, order): the (token, choice) pairs of `experts` (T, k) stably sorted by expert, as
+        torch.sort orders them, x's row of each, and where each expert's run of them starts and ends."""
+        t, k = experts.shape
+        experts, x = experts.contiguous(), x.contiguous()  # (held: the call reads their memory)
+        rows = torch.empty((t * k, x.shape[1]), dtype=x.dtype)
+        bounds = torch.empty(len(self.gate_up) + 1, dtype=torch.int64)
+        order = torch.empty(t * k, dtype=torch.int64)
+        rc = load_library().mixserve_moe_dispatch(
+            experts.data_ptr(), t, k, len(self.gate_up), x.data_ptr(), x.shape[1] * x.element_size(),
+            bounds.data_ptr(), order.data_ptr(), rows.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError("an expert id is out of range")
+        return rows, bounds, order
+
+    def combine(self, out: Tensor, weights: Tensor, order: Tensor) -> Tensor:
+        """Each token's sum of its choices' rows of `out` times their weights (T, k), as `grouped`'s torch
+        path rounds and adds them (index_add_ in sorted order), bit for bit."""
+        t, k = weights.shape
+        y = torch.empty((t, out.shape[1]), dtype=out.dtype)
+        w = weights.float().contiguous()  # (a bf16 weight converts exactly)
+        rc = load_library().mixserve_moe_combine(
+            DTYPE_CODE[out.dtype], out.data_ptr(), w.data_ptr(), order.data_ptr(), t, k, out.shape[1],
+            y.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"the experts' weighted sum cannot take this step (code {rc})")
+        return y
 
     def run(self, rows: Tensor, bounds: Tensor, out: Tensor) -> list[int]:
         """Each expert's output rows into `out` where the C++ loop takes its run; the experts it left."""

@@ -5,8 +5,14 @@
 // quant_linear.cpp's blocks), so the output is bit-identical. What goes is the loop's ~5 Python calls an
 // expert, which on a decode step of a many-expert model cost about what the experts' weights take to read.
 
-#include <cstdint>
+#include <omp.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
 #include "quant_spec.h"
 
 extern "C" {
@@ -69,6 +75,90 @@ int mixserve_moe_experts(const ExpertLinear* gate_up, const ExpertLinear* down, 
         if (rc != 0) return rc;
         done[e] = 1;
     }
+    return 0;
+}
+
+// The step's (token, choice) pairs sorted by expert, stably (torch.sort(stable=True)'s order: a counting
+// sort), and their rows gathered: experts (tokens, top_k) -> bounds[E + 1] (expert e's run of sorted
+// positions), order[pos] = the pair at pos, rows[pos] = x[order[pos] / top_k]; each row `row_bytes` long.
+// 0, or 1 for an expert id out of range.
+int mixserve_moe_dispatch(const int64_t* experts, int64_t tokens, int64_t top_k, int64_t num_experts,
+                          const void* x, int64_t row_bytes, int64_t* bounds, int64_t* order, void* rows,
+                          int threads) {
+    const int64_t pairs = tokens * top_k;
+    std::fill(bounds, bounds + num_experts + 1, 0);
+    for (int64_t p = 0; p < pairs; ++p) {
+        if (experts[p] < 0 || experts[p] >= num_experts) return 1;
+        ++bounds[experts[p] + 1];
+    }
+    for (int64_t e = 0; e < num_experts; ++e) bounds[e + 1] += bounds[e];
+    std::vector<int64_t> next(bounds, bounds + num_experts);
+    for (int64_t p = 0; p < pairs; ++p) order[next[experts[p]]++] = p;
+    const char* src = static_cast<const char*>(x);
+    char* dst = static_cast<char*>(rows);
+#pragma omp parallel for num_threads(threads) if (pairs * row_bytes >= (1 << 16))
+    for (int64_t pos = 0; pos < pairs; ++pos)
+        memcpy(dst + pos * row_bytes, src + order[pos] / top_k * row_bytes, row_bytes);
+    return 0;
+}
+
+}  // extern "C"
+
+namespace {
+
+// y[t] = the sum over token t's pairs, in ascending sorted position (index_add_'s order on a CPU), of
+// out[pos] * weight[pair], the product rounded to T, the sum kept in float32 and rounded once, as torch's
+// `zeros.index_add_(0, order // k, (out * w[order]).to(T))` computes it. Neither contracted nor
+// reassociated, so it equals that bit for bit.
+// A chunk of each output row at a time, its sums in registers over the token's rows: summing a whole row in
+// memory instead runs ~4x slower, its stores 4 KiB apart from the rows' loads (hidden 1024 in float32).
+constexpr int64_t CHUNK = 64;
+
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void combine(const T* out, const float* weights, const int64_t* slot,
+                                                          int64_t tokens, int64_t top_k, int64_t hidden, T* y,
+                                                          int threads) {
+#pragma omp parallel for num_threads(threads) if (tokens * top_k * hidden >= (1 << 15))
+    for (int64_t t = 0; t < tokens; ++t) {
+        const T* rows[64];  // this token's rows by sorted position (top_k <= 64: checked by the caller)
+        float w[64];
+        for (int64_t j = 0; j < top_k; ++j) {
+            const int64_t pos = slot[t * top_k + j];
+            int64_t i = j;
+            for (; i > 0 && rows[i - 1] > out + pos * hidden; --i) rows[i] = rows[i - 1], w[i] = w[i - 1];
+            rows[i] = out + pos * hidden, w[i] = weights[t * top_k + j];
+        }
+        for (int64_t c = 0; c < hidden; c += CHUNK) {
+            const int64_t n = std::min(CHUNK, hidden - c);
+            float sum[CHUNK] = {};
+            for (int64_t j = 0; j < top_k; ++j)
+                for (int64_t i = 0; i < n; ++i)
+                    sum[i] += mixserve::round_to(rows[j], mixserve::load(rows[j] + c + i) * w[j]);
+            for (int64_t i = 0; i < n; ++i) mixserve::store(y + t * hidden + c + i, sum[i]);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// out (pairs, hidden) in `dtype`, by sorted position; weights (tokens, top_k) float32 (a bf16 weight
+// converts exactly); order as mixserve_moe_dispatch wrote it -> y (tokens, hidden) in `dtype`. 0, 1 for a
+// dtype it lacks, 2 for top_k over 64.
+int mixserve_moe_combine(int dtype, const void* out, const float* weights, const int64_t* order, int64_t tokens,
+                         int64_t top_k, int64_t hidden, void* y, int threads) {
+    if (top_k > 64) return 2;
+    std::vector<int64_t> slot(tokens * top_k);  // pair -> its sorted position
+    for (int64_t pos = 0; pos < tokens * top_k; ++pos) slot[order[pos]] = pos;
+    if (dtype == 0)
+        combine(static_cast<const float*>(out), weights, slot.data(), tokens, top_k, hidden, static_cast<float*>(y),
+                threads);
+    else if (dtype == 1)
+        combine(static_cast<const uint16_t*>(out), weights, slot.data(), tokens, top_k, hidden,
+                static_cast<uint16_t*>(y), threads);
+    else
+        return 1;
     return 0;
 }
 
