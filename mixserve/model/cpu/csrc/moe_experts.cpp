@@ -41,6 +41,25 @@ int expert_linear(const ExpertLinear& w, int dtype, const void* x, int64_t m, vo
     return mixserve_few_row_linear(dtype, x, w.k, m, w.panels, w.n, w.k, nullptr, out, w.n, threads);
 }
 
+// One expert's gate/up, activation and down on its run of rows [a, a + m), on `threads` threads.
+int run_expert(const ExpertLinear& gate_up, const ExpertLinear& down, int dtype, int64_t a, int64_t m,
+               const char* x, char* gu, char* act, char* y, int64_t hidden, int64_t inter, int gelu, int threads) {
+    const int64_t elem = dtype == 0 ? 4 : 2;
+    char* g = gu + a * 2 * inter * elem;
+    char* h = act + a * inter * elem;
+    int rc = expert_linear(gate_up, dtype, x + a * hidden * elem, m, g, threads);
+    if (rc == 0)
+        rc = gelu ? mixserve_gelu_tanh_and_mul(dtype, g, h, m, inter, threads)
+                  : mixserve_silu_and_mul(dtype, g, h, m, inter, threads);
+    if (rc == 0) rc = expert_linear(down, dtype, h, m, y + a * hidden * elem, threads);
+    return rc;
+}
+
+// Experts with fewer rows than this run one to a thread, side by side, each kernel on one thread: a few
+// rows' products are bound by reading the weights, and two streams with no barrier between experts read
+// them faster than every thread on one expert after another. Larger runs take every thread each.
+constexpr int64_t SHARED_ROWS = 32;
+
 }  // namespace
 
 extern "C" {
@@ -52,30 +71,42 @@ extern "C" {
 int mixserve_moe_experts(const ExpertLinear* gate_up, const ExpertLinear* down, int64_t num_experts,
                          const int64_t* bounds, int dtype, const void* rows, void* gate_up_buf, void* act_buf,
                          void* out, int64_t hidden, int64_t inter, int gelu, uint8_t* done, int threads) {
-    const int64_t elem = dtype == 0 ? 4 : 2;
     const char* x = static_cast<const char*>(rows);
-    char* gu = static_cast<char*>(gate_up_buf);
-    char* act = static_cast<char*>(act_buf);
-    char* y = static_cast<char*>(out);
-    for (int64_t e = 0; e < num_experts; ++e) {
+    char *gu = static_cast<char*>(gate_up_buf), *act = static_cast<char*>(act_buf), *y = static_cast<char*>(out);
+    std::vector<int64_t> shared;  // the experts run one to a thread
+    int rc = 0;
+    for (int64_t e = 0; e < num_experts && rc == 0; ++e) {
         const int64_t a = bounds[e], m = bounds[e + 1] - a;
-        done[e] = 0;
-        if (m == 0) {
-            done[e] = 1;
+        done[e] = m == 0;
+        if (m == 0 || m > gate_up[e].max_rows || m > down[e].max_rows) continue;
+        if (m < SHARED_ROWS && threads > 1) {
+            shared.push_back(e);
             continue;
         }
-        if (m > gate_up[e].max_rows || m > down[e].max_rows) continue;
-        int rc = expert_linear(gate_up[e], dtype, x + a * hidden * elem, m, gu + a * 2 * inter * elem, threads);
-        if (rc == 0)
-            rc = gelu ? mixserve_gelu_tanh_and_mul(dtype, gu + a * 2 * inter * elem, act + a * inter * elem, m,
-                                                   inter, threads)
-                      : mixserve_silu_and_mul(dtype, gu + a * 2 * inter * elem, act + a * inter * elem, m, inter,
-                                              threads);
-        if (rc == 0) rc = expert_linear(down[e], dtype, act + a * inter * elem, m, y + a * hidden * elem, threads);
-        if (rc != 0) return rc;
-        done[e] = 1;
+        rc = run_expert(gate_up[e], down[e], dtype, a, m, x, gu, act, y, hidden, inter, gelu, threads);
+        done[e] = rc == 0;
     }
-    return 0;
+    // contiguous runs of the shared experts, split by their cost: the weights' read, plus a little a row
+    std::vector<int64_t> cost(shared.size() + 1, 0);
+    for (size_t i = 0; i < shared.size(); ++i) {
+        const int64_t e = shared[i];
+        cost[i + 1] = cost[i] + 8 + bounds[e + 1] - bounds[e];
+    }
+    int shared_rc = 0;
+#pragma omp parallel num_threads(threads) if (shared.size() > 1) reduction(| : shared_rc)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t from = cost.back() * t / nt, to = cost.back() * (t + 1) / nt;
+        for (size_t i = 0; i < shared.size(); ++i) {
+            if (cost[i] < from || cost[i] >= to) continue;  // each expert to the thread its start falls in
+            const int64_t e = shared[i], a = bounds[e];
+            const int r = run_expert(gate_up[e], down[e], dtype, a, bounds[e + 1] - a, x, gu, act, y, hidden,
+                                     inter, gelu, 1);
+            done[e] = r == 0;
+            shared_rc |= r;
+        }
+    }
+    return rc != 0 ? rc : shared_rc;
 }
 
 // The step's (token, choice) pairs sorted by expert, stably (torch.sort(stable=True)'s order: a counting
