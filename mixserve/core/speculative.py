@@ -7,7 +7,7 @@ the drafts (engine/speculative.py); the scheduler then keeps the accepted ones (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -66,7 +66,8 @@ class SpecStats:
     prior_weight: float = PRIOR_TESTED
     idle_steps: int = 0
     index: NgramIndex = field(default_factory=NgramIndex)
-    enabled: bool = True  # False: never drafts (a request with a grammar: its mask follows each token)
+    # A request with a grammar: how many leading drafts its grammar allows (the rest would be rejected)
+    allowed: Callable[[Sequence[int]], int] | None = None
 
     @property
     def rate(self) -> float:
@@ -75,8 +76,6 @@ class SpecStats:
 
     def draft_len(self, k: int) -> int:
         """How many of k drafts are worth a row this step (0: speculation is off for it for now)."""
-        if not self.enabled:
-            return 0
         rate, n = self.rate, 0
         while n < k and rate ** (n + 1) >= MIN_GAIN:
             n += 1
@@ -116,7 +115,10 @@ class Speculation:
         if r.spec is None:
             r.spec = SpecStats()
         k = r.spec.draft_len(min(self.num_tokens, limit)) if limit > 0 else 0
-        return r.spec.index.propose(r.tokens, k)
+        draft = r.spec.index.propose(r.tokens, k)
+        if draft and r.spec.allowed is not None:
+            draft = draft[: r.spec.allowed(draft)]
+        return draft
 
 
 @dataclass

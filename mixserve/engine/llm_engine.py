@@ -25,7 +25,7 @@ from mixserve.engine.sampling_params import SamplingParams
 from mixserve.engine.speculative import speculation_for
 from mixserve.engine.stats_log import EngineStats, StatsLog
 from mixserve.engine.step_cost import StepCost
-from mixserve.engine.step_sampling import Sampled, sample_step
+from mixserve.engine.step_sampling import Sampled, draft_groups, sample_step
 from mixserve.engine.step_trace import StepTrace
 from mixserve.engine.structured import Grammars
 from mixserve.engine.threads import available_cores, bind_threads, load_on_own_thread, set_threads
@@ -185,8 +185,10 @@ class LLMEngine:
             time.monotonic() if arrival is None else arrival,
         )
         if params.structured_output is not None:  # compiled by validate() (cached)
-            self._requests[request_id].grammar = self.grammars.matcher(params.structured_output, request_id)
-            self.scheduler.request(request_id).spec = SpecStats(enabled=False)  # its mask follows each token
+            grammar = self.grammars.matcher(params.structured_output, request_id)
+            self._requests[request_id].grammar = grammar
+            # its drafts are cut where the grammar refuses them, and verified on masked rows
+            self.scheduler.request(request_id).spec = SpecStats(allowed=grammar.allowed)
 
     def abort(self, request_id: str) -> None:
         """Drop a request (every choice of it) and free its blocks; unknown or finished ids are ignored."""
@@ -218,8 +220,10 @@ class LLMEngine:
         logits = self.runner.forward(step_plan.batch)
         # grammar masks, filled while a GPU still computes the logits; None if no row has a grammar
         masks = self.grammars.masks([self._requests[rid].grammar for _, rid in step_plan.sample
-                                     if rid not in out.drafts])
-        sampled = sample_step(self.sampler, logits, step_plan, self._requests, masks)
+                                     if rid not in step_plan.drafts])
+        draft_masks = self.grammars.draft_masks([(self._requests[rid].grammar, d)
+                                                 for _, rid, d in draft_groups(step_plan)])
+        sampled = sample_step(self.sampler, logits, step_plan, self._requests, masks, draft_masks)
         finished = self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
         updates, prompt_tokens = self._postprocess(sampled, set(finished))
         updates = self.choices.after_step(self, updates)

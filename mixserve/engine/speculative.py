@@ -16,6 +16,7 @@ import torch
 
 from mixserve.core.speculative import Speculation
 from mixserve.engine.outputs import TokenLogprobs
+from mixserve.engine.structured import StepMasks
 from mixserve.runner.logits_processors import ProcessorRow, apply_processors
 from mixserve.runner.sampler import GREEDY_BELOW, Sampler, SamplingRow, argmax_rows
 
@@ -40,13 +41,16 @@ class DraftRows:
     rows: list[SamplingRow]
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, groups: list[DraftRows]
+def verify(sampler: Sampler, logits: torch.Tensor, groups: list[DraftRows], masks: StepMasks | None = None
            ) -> dict[str, tuple[list[int], list[TokenLogprobs | None]]]:
-    """Per request: the drafts it keeps then the token after them, with each one's logprobs."""
+    """Per request: the drafts it keeps then the token after them, with each one's logprobs. `masks`:
+    the grammars' masks of the groups' rows (Grammars.draft_masks), applied before anything reads them."""
     dev = logits.device
     rows = [r for g in groups for r in g.rows]
     index = [g.first_row + j for g in groups for j in range(len(g.rows))]
-    raw = logits[torch.tensor(index, dtype=torch.long, device=dev)].float()
+    raw = logits[torch.tensor(index, dtype=torch.long, device=dev)].float()  # a copy: masks go in place
+    if masks is not None:
+        masks.apply(raw)
     processed = raw
     if any(r.processing is not None and r.processing.active for r in rows):
         processed = apply_processors(raw, [r.processing or ProcessorRow() for r in rows])

@@ -18,9 +18,10 @@ Sampled = dict[str, tuple[int, TokenLogprobs | None] | tuple[list[int], list[Tok
 
 
 def sample_step(sampler: Sampler, logits: torch.Tensor, step_plan: StepPlan,
-                states: Mapping[str, RequestState], masks: StepMasks | None = None) -> Sampled:
-    """The tokens of every sampled row; a middle chunk's row is not among them. `masks` (grammars) are
-    for the plain rows: a request with a grammar never speculates."""
+                states: Mapping[str, RequestState], masks: StepMasks | None = None,
+                draft_masks: StepMasks | None = None) -> Sampled:
+    """The tokens of every sampled row; a middle chunk's row is not among them. Grammars' masks: `masks`
+    for the plain rows, `draft_masks` for the speculating decodes' rows (in draft_groups' order)."""
     plain = [(row, rid) for row, rid in step_plan.sample if rid not in step_plan.drafts]
     sampled: Sampled = {}
     if plain:
@@ -37,6 +38,11 @@ def sample_step(sampler: Sampler, logits: torch.Tensor, step_plan: StepPlan,
             sampled[rid] = (token, logprobs)
     if step_plan.drafts:
         groups = [DraftRows(rid, row, d, states[rid].sampling_rows(d))
-                  for row, rid in step_plan.sample if (d := step_plan.drafts.get(rid)) is not None]
-        sampled.update(verify(sampler, logits, groups))
+                  for row, rid, d in draft_groups(step_plan)]
+        sampled.update(verify(sampler, logits, groups, draft_masks))
     return sampled
+
+
+def draft_groups(step_plan: StepPlan) -> list[tuple[int, str, tuple[int, ...]]]:
+    """The speculating decodes in row order: (first logits row, request id, drafts)."""
+    return [(row, rid, d) for row, rid in step_plan.sample if (d := step_plan.drafts.get(rid)) is not None]

@@ -51,6 +51,29 @@ class RequestGrammar:
                   self.request_id, token_id)
         return True
 
+    def allowed(self, draft: Sequence[int]) -> int:
+        """How many leading tokens of `draft` the grammar accepts from here (up to and with the stop token
+        that ends it); the matcher is left where it was."""
+        return self.walk(draft)[0]
+
+    def walk(self, draft: Sequence[int], bitmask: torch.Tensor | None = None, first: int = 0
+             ) -> tuple[int, list[int]]:
+        """Accept `draft` token by token while the grammar allows it, filling row first + j of `bitmask`
+        (if given) with the mask after draft[:j]; then roll back. Returns the tokens accepted and the
+        filled rows that allow less than all."""
+        m, taken, masked = self.matcher, 0, []
+        for j in range(len(draft) + 1):
+            if m.is_terminated():
+                break
+            if bitmask is not None and m.fill_next_token_bitmask(bitmask, first + j):
+                masked.append(first + j)
+            if j == len(draft) or not m.accept_token(draft[j]):
+                break
+            taken += 1
+        if taken:
+            m.rollback(taken)
+        return taken, masked
+
 
 class StepMasks:
     """The bitmask of one step's sampled rows; `indices`: the rows whose mask allows less than all."""
@@ -140,6 +163,22 @@ class Grammars:
         matchers = [(i, grammars[i].matcher) for i in rows]  # type: ignore[union-attr]
         # fill says False where the row allows every token: no need to mask it
         return StepMasks(bitmask, [i for i, m in matchers if m.fill_next_token_bitmask(bitmask, i)])
+
+    def draft_masks(self, groups: Sequence[tuple[RequestGrammar | None, Sequence[int]]]) -> StepMasks | None:
+        """The bitmask of the speculating decodes' rows, group after group (1 + len(draft) rows each): row j
+        of a group with a grammar is its mask after drafts[:j]. Rows past a draft the grammar refuses (or
+        past its end) stay unmasked: verification stops at that draft, so they are never read."""
+        if all(g is None for g, _ in groups):
+            return None
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(sum(len(d) + 1 for _, d in groups), self.vocab_size)
+        indices, first = [], 0
+        for grammar, draft in groups:
+            if grammar is not None:
+                indices += grammar.walk(draft, bitmask, first)[1]
+            first += len(draft) + 1
+        return StepMasks(bitmask, indices)
 
     def _get_compiler(self) -> Any:
         if self._compiler is None:

@@ -137,10 +137,17 @@ def test_an_accepted_draft_resets_the_idle_count():
     assert st.idle_steps == 0
 
 
-def test_a_disabled_request_never_drafts():
-    st = SpecStats(accepted=100.0, tested=100.0, enabled=False)
-    assert [st.draft_len(k) for k in range(1, 6)] == [0] * 5
-    r = Request("a", [1, 2, 1, 2, 1, 2], 6, 8, spec=st)
+def test_drafts_are_cut_where_the_request_allows():
+    seen = []
+
+    def allowed(draft):  # a grammar's place: two more tokens of what was proposed
+        seen.append(list(draft))
+        return 2
+
+    r = Request("a", [1, 2, 1, 2, 1, 2], 6, 8, spec=SpecStats(allowed=allowed))
+    assert Speculation(4).propose(r, 4) == [1, 2]
+    assert seen == [[1, 2, 1, 2]]
+    r.spec.allowed = lambda draft: 0
     assert Speculation(4).propose(r, 4) == []
     assert Speculation(4).propose(Request("b", [1, 2, 1, 2, 1, 2], 6, 8), 4) == [1, 2, 1, 2]
 

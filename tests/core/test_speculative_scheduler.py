@@ -183,12 +183,12 @@ def test_random_workloads_with_aborts_give_the_reference(seed):
     assert {rid: out for rid, out in trace.outputs.items() if rid not in aborted} == want, f"seed {seed}"
 
 
-def test_a_disabled_request_never_drafts_among_others_that_do():
+def test_a_request_that_allows_no_draft_never_drafts_among_others_that_do():
     s = make_scheduler(64, Chunked(16), block_size=4)
     arrivals = {0: [("off", repeating(0, 12), 20), ("on", repeating(1, 12), 20)]}
     for rid, prompt, m in arrivals[0]:
         s.add_request(rid, prompt, m)
-    s.request("off").spec = SpecStats(enabled=False)  # as the engine does for a request with a grammar
+    s.request("off").spec = SpecStats(allowed=lambda draft: 0)  # a grammar that refuses every draft
     trace, _ = run(s, {}, looping_token, rids=["off", "on"])
     assert all("off" not in o.drafts for o in trace.steps) and any("on" in o.drafts for o in trace.steps)
     assert trace.outputs == expected(arrivals, looping_token)

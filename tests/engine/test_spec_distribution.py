@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mixserve.engine.speculative import DraftRows, verify
+from mixserve.engine.structured import StepMasks
 from mixserve.runner.logits_processors import ProcessorRow
 from mixserve.runner.sampler import Sampler, SamplingRow
 
@@ -45,14 +46,19 @@ def target(sampler: Sampler, logits: torch.Tensor, row: SamplingRow) -> torch.Te
     return sampler.filtered(x, [row]).softmax(dim=-1)[0]
 
 
-def run(rows: list[SamplingRow], logits: torch.Tensor, draft: tuple[int, ...], n: int = DRAWS
-        ) -> list[list[int]]:
-    """n identical speculating decodes verified in one call; each one's tokens."""
+def run(rows: list[SamplingRow], logits: torch.Tensor, draft: tuple[int, ...], n: int = DRAWS,
+        allowed: list[list[int]] | None = None) -> list[list[int]]:
+    """n identical speculating decodes verified in one call; each one's tokens. `allowed`: per row, the
+    tokens a grammar's mask lets through."""
     sampler = Sampler(seed=1234)
     k = len(draft)
     batch = logits.repeat(n, 1)  # group g's rows: g*(k+1) .. g*(k+1)+k
     groups = [DraftRows(str(g), g * (k + 1), draft, rows) for g in range(n)]
-    out = verify(sampler, batch, groups)
+    masks = None
+    if allowed is not None:
+        bits = torch.tensor([sum(1 << t for t in a) for a in allowed], dtype=torch.int32)
+        masks = StepMasks(bits.repeat(n)[:, None], list(range(n * (k + 1))))
+    out = verify(sampler, batch, groups, masks)
     return [out[str(g)][0] for g in range(n)]
 
 
@@ -118,3 +124,24 @@ def test_seeded_rows_repeat_their_draws() -> None:
     draft = (int(logits[0].argmax()), int(logits[1].argmax()))
     assert run(rows, logits, draft, n=50) == run(rows, logits, draft, n=50)
     assert len({tuple(o) for o in run(rows, logits, draft, n=50)}) == 1  # the seed alone decides
+
+
+def test_under_a_grammars_masks_each_position_follows_its_masked_row() -> None:
+    pytest.importorskip("xgrammar")
+    torch.manual_seed(4)
+    logits = torch.randn(3, VOCAB)
+    row = SamplingRow(temperature=1.0)
+    allowed = [[0, 2, 5, 6], [1, 3, 4], [0, 3, 4, 7]]
+
+    def masked(j: int) -> torch.Tensor:
+        x = torch.full((VOCAB,), float("-inf"))
+        x[allowed[j]] = logits[j, allowed[j]]
+        return target(Sampler(), x, row)
+
+    # the first draft is allowed at row 0; the second is refused by row 1's mask: never kept
+    draft = (int(masked(0).argmax()), 7)
+    outs = run([row] * 3, logits, draft, allowed=allowed)
+    assert_follows([o[0] for o in outs], masked(0))
+    second = [o[1] for o in outs if len(o) > 1]
+    assert len(second) > 1000 and all(len(o) <= 2 for o in outs)
+    assert_follows(second, masked(1))

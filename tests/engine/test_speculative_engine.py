@@ -1,5 +1,6 @@
 """N-gram speculative decoding end to end on the tiny random Llama: every output equals the one without
-speculation (greedy), with chunking, preemption, prefix caching, n > 1, logprobs, penalties and grammars.
+speculation (greedy), with chunking, preemption, prefix caching, n > 1, logprobs and penalties (grammars:
+test_grammar_drafts.py).
 
 The tiny model's greedy text falls into loops of a token or two, so drafts are made and mostly accepted;
 each comparison runs the same engine settings with speculative="" as its reference.
@@ -14,7 +15,6 @@ import pytest
 
 from mixserve import SamplingParams
 from mixserve.core.draft_gate import DraftGate
-from mixserve.engine.sampling_params import StructuredOutput
 
 
 @pytest.fixture(autouse=True)
@@ -179,22 +179,6 @@ def test_with_a_tpot_target(make_llm):  # the target's budget bounds each decode
     off, on, llm = both(make_llm, repeating(6, seed=8), greedy(), tpot_target_ms=30.0)
     same(off, on)
     assert spec_counts(llm)[1] > 0
-
-
-def test_a_request_with_a_grammar_never_drafts(make_llm):
-    pytest.importorskip("xgrammar")
-    spec = StructuredOutput("regex", r"(ab){10}")
-    params = SamplingParams(max_tokens=30, temperature=0.0, structured_output=spec)
-    prompt = repeating(1, seed=9)[0]
-    llm = make_llm(speculative="ngram")
-    alone = llm.generate([prompt], params, use_tqdm=False)[0]
-    assert alone.text == "ab" * 10 and alone.finish_reason == "stop"
-    assert spec_counts(llm) == (0, 0)
-    # beside speculating requests, in the same steps: its masked rows still give the same output
-    mixed = [params] + [greedy()] * 5
-    off, on, llm = both(make_llm, [prompt, *repeating(5, seed=10)], mixed)
-    same(off, on)
-    assert on[0].text == alone.text and spec_counts(llm)[1] > 0
 
 
 def test_bad_speculative_settings_raise_naming_the_key(make_llm):
