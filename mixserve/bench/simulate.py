@@ -77,7 +77,8 @@ def build_scheduler(s: SimSettings, cost: CostCoefficients, specs: Sequence[Requ
                           max_long_partial_prefills=s.max_long_partial_prefills)
     sched = Scheduler(cfg, BlockPool(num_blocks))
     if s.speculative:  # the replay's tokens are all alike, so every decode finds a draft
-        sched.with_speculation(Speculation(s.num_speculative_tokens, s.speculative))
+        sched.with_speculation(Speculation(s.num_speculative_tokens,
+                                           "ngram" if s.speculative == "ngram" else "draft"))
     budget = step_budget_for(StepCostModel(cost), s.tpot_target_ms, s.slo_ttft_ms, s.slo_tpot_ms, clock)
     if budget is not None:  # as LLMEngine: the target (or the SLO mode) sizes every chunk
         sched.with_prefill_policy(Chunked(s.max_batch_tokens))

@@ -96,16 +96,23 @@ class SpecStats:
             self.idle_steps = 0
 
 
+# A draft model's tokens are booked as this placeholder and written by the engine before the forward
+# (engine/draft_model.py): the booking needs only how many there are.
+PENDING = -1
+METHODS = ("ngram", "draft")
+
+
 @dataclass
 class Speculation:
-    """The scheduler's speculation settings: the method ("ngram") and k, the most drafts per decode."""
+    """The scheduler's speculation settings: the method ("ngram", or "draft": a draft model's tokens, filled
+    in after booking) and k, the most drafts per decode."""
 
     num_tokens: int = 4
     method: str = "ngram"
     gate: DraftGate = field(default_factory=DraftGate)  # drafts on where they are measured to pay
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
+        if self.method not in METHODS:
             raise ValueError(f"speculative: unknown method {self.method!r}")
         if not isinstance(self.num_tokens, int) or self.num_tokens < 1:
             raise ValueError(f"num_speculative_tokens: must be an integer >= 1, got {self.num_tokens!r}")
@@ -115,6 +122,8 @@ class Speculation:
         if r.spec is None:
             r.spec = SpecStats()
         k = r.spec.draft_len(min(self.num_tokens, limit)) if limit > 0 else 0
+        if self.method == "draft":  # a grammar refuses what it refuses at verification, row by row
+            return [PENDING] * k
         draft = r.spec.index.propose(r.tokens, k)
         if draft and r.spec.allowed is not None:
             draft = draft[: r.spec.allowed(draft)]

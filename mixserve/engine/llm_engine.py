@@ -9,20 +9,13 @@ from typing import Any
 import torch
 
 from mixserve.config import EngineConfig
-from mixserve.core import (
-    Chunked,
-    ScheduleOutput,
-    Scheduler,
-    SchedulerConfig,
-    WholePrompt,
-    plan,
-)
+from mixserve.core import Chunked, ScheduleOutput, Scheduler, SchedulerConfig, WholePrompt, plan
 from mixserve.core.speculative import SpecStats
 from mixserve.engine.choices import Choices
 from mixserve.engine.outputs import RequestUpdate
 from mixserve.engine.request_state import RequestState
 from mixserve.engine.sampling_params import SamplingParams
-from mixserve.engine.speculative import speculation_for
+from mixserve.engine.speculative import draft_model_for, speculation_for
 from mixserve.engine.stats_log import EngineStats, StatsLog
 from mixserve.engine.step_cost import StepCost
 from mixserve.engine.step_sampling import Sampled, draft_groups, sample_step
@@ -73,6 +66,7 @@ class LLMEngine:
             policy = Chunked(cfg.max_batch_tokens)
         self.scheduler = Scheduler(sched_cfg).with_prefill_policy(policy).with_speculation(
             speculation_for(cfg.speculative, cfg.num_speculative_tokens))
+        self.draft_model = draft_model_for(cfg.speculative, runner)  # None unless `speculative` is a path
         self.sampler = Sampler(cfg.seed, runner.device)
         self.grammars = Grammars(runner.tokenizer, self.vocab_size, self.eos_token_ids)  # built on first use
         self.num_threads = set_threads(cfg.threads) if torch.device(runner.device).type == "cpu" else 0
@@ -202,6 +196,8 @@ class LLMEngine:
         drops its record and frees (or, with prefix caching, caches) its blocks."""
         del self._requests[request_id]
         self.scheduler.abort(request_id)
+        if self.draft_model is not None:
+            self.draft_model.forget(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -215,6 +211,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.num_tokens == 0:
             return []
+        if self.draft_model is not None:  # its tokens for the drafts booked, and the chunks' K/V
+            self.draft_model.propose(self.scheduler, out)
         step_plan = plan(self.scheduler, out)
         self.step_cost.begin(step_plan.batch)
         logits = self.runner.forward(step_plan.batch)

@@ -11,10 +11,12 @@ drafts kept, the last row draws one more token as usual.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from mixserve.core.speculative import Speculation
+from mixserve.engine.draft_model import DraftModel
 from mixserve.engine.outputs import TokenLogprobs
 from mixserve.engine.structured import StepMasks
 from mixserve.runner.logits_processors import ProcessorRow, apply_processors
@@ -22,13 +24,16 @@ from mixserve.runner.sampler import GREEDY_BELOW, Sampler, SamplingRow, argmax_r
 
 
 def speculation_for(method: str, num_tokens: int) -> Speculation | None:
-    """`[engine] speculative` and `num_speculative_tokens` as the scheduler takes them; None: off."""
+    """`[engine] speculative` and `num_speculative_tokens` as the scheduler takes them; None: off. Anything
+    but "" and "ngram" names a draft model (engine/draft_model.py loads it)."""
     if method == "":
         return None
-    if method != "ngram":
-        raise ValueError(f"speculative: must be '' (off) or 'ngram', got {method!r} (a draft model is not "
-                         "supported yet)")
-    return Speculation(num_tokens, method)
+    return Speculation(num_tokens, "ngram" if method == "ngram" else "draft")
+
+
+def draft_model_for(method: str, target: Any) -> DraftModel | None:
+    """The draft model `[engine] speculative` names (a path), loaded beside the target; None otherwise."""
+    return None if method in ("", "ngram") else DraftModel.load(method, target)
 
 
 @dataclass(frozen=True)
