@@ -3,10 +3,12 @@ speculating decode's drafts, greedily, k tokens in k batched forwards.
 
 It has its own runner and KV cache, with as many blocks of the same size as the target's, and it writes
 its K/V through the target's block tables: the scheduler's booking of a request's blocks is the draft's
-too, so it needs no allocator. It follows each request from the tokens it has computed (`_done`): every
-prefill chunk that goes on from there is run by it as well, in the step's first draft forward, so it is
-in step with the prompt when the request begins to decode. Drafts it wrote are not counted as done: the
-next catch-up computes the kept ones again (a few rows), and a rejected one is overwritten. A request
+too, so it needs no allocator. It is kept in step with every running request: each step's first draft
+forward takes every decode's new tokens and every prefill chunk, drafting or not (as vLLM's draft runs
+every step). Catching up only when a decode drafts would be the same work in total, but all of it in the
+steps that draft, and the gate (core/draft_gate.py) would then judge drafts by those steps and keep them
+off. It follows each request from the tokens it has computed (`_done`); drafts it wrote are not counted:
+the next step computes the kept ones again (a few rows), and a rejected one is overwritten. A request
 preempted, finished or aborted starts again from 0.
 
 Greedy drafts are one token each (a point mass), so verification's rule keeps the target distribution
@@ -48,6 +50,9 @@ class DraftModel:
         if not Path(path).exists():
             raise ValueError(f"speculative: must be '' (off), 'ngram' or a draft model's path; {path!r} "
                              "does not exist")
+        if not isinstance(target, ModelRunner):
+            raise ValueError("speculative: a draft model runs beside a single-process model "
+                             "(tensor_parallel_size 1)")
         backend = target.attention.name if target.attention.name in ("torch", "cpu") else "auto"
         try:
             runner = ModelRunner.from_pretrained(
@@ -69,24 +74,23 @@ class DraftModel:
         self._done.pop(request_id, None)
 
     def propose(self, scheduler: Scheduler, out: ScheduleOutput) -> None:
-        """Write the drafts of every speculating decode into `out.drafts` (as many as booked), and run the
-        draft over the step's prefill chunks that go on from where it is."""
+        """Write the drafts of every speculating decode into `out.drafts` (as many as booked); the first
+        forward also takes the other decodes' new tokens and the chunks that go on from where it is."""
         for rid in out.preempted:
             self.forget(rid)
         limit = self.runner.max_model_len
         want = {rid: len(d) for rid, d in out.drafts.items()}
         ends = {rid: len(scheduler.request(rid).tokens) for rid in want}
         drafting = [rid for rid in want if ends[rid] + want[rid] <= limit]  # within the draft's context
-        seqs = []
-        for rid in drafting:  # catch up to the newest token: its logits row gives the first draft
-            r, done = scheduler.request(rid), self._done.get(rid, 0)
-            seqs.append(ForwardSeq(rid, r.tokens[done : ends[rid]], done, tuple(r.block_table)))
-        for c in out.chunks:  # keep in step with the prompts being prefilled
+        # the decodes that draft first (their rows give the first drafts), then the others, then chunks
+        seqs = [self._catch_up(scheduler, rid, ends[rid]) for rid in drafting]
+        for rid in out.decodes:
+            n = len(scheduler.request(rid).tokens)
+            if rid not in want and n <= limit:
+                seqs.append(self._catch_up(scheduler, rid, n))
+        for c in out.chunks:
             if self._done.get(c.request_id, 0) == c.start and c.start + c.length <= limit:
-                r = scheduler.request(c.request_id)
-                seqs.append(ForwardSeq(c.request_id, r.tokens[c.start : c.start + c.length], c.start,
-                                       tuple(r.block_table)))
-                self._done[c.request_id] = c.start + c.length
+                seqs.append(self._catch_up(scheduler, c.request_id, c.start + c.length))
         drafts: dict[str, list[int]] = {rid: [] for rid in drafting}
         if seqs:
             for rid, t in zip(drafting, self._next(seqs), strict=False):  # the chunks' rows come after
@@ -102,10 +106,13 @@ class DraftModel:
         for rid in want:
             # past the draft's context: the newest token repeated, rejected at verification like any wrong
             # draft (the booking is already made)
-            d = drafts.get(rid) or [scheduler.request(rid).tokens[-1]] * want[rid]
-            out.drafts[rid] = tuple(d)
-            if rid in drafts:
-                self._done[rid] = ends[rid]
+            out.drafts[rid] = tuple(drafts.get(rid) or [scheduler.request(rid).tokens[-1]] * want[rid])
+
+    def _catch_up(self, scheduler: Scheduler, rid: str, end: int) -> ForwardSeq:
+        """The request's tokens from where the draft is up to `end`, as one sequence (counted as done)."""
+        r, done = scheduler.request(rid), self._done.get(rid, 0)
+        self._done[rid] = end
+        return ForwardSeq(rid, r.tokens[done:end], done, tuple(r.block_table))
 
     def _next(self, seqs: list[ForwardSeq]) -> list[int]:
         """One draft forward: each sequence's greedy next token among the target's ids."""

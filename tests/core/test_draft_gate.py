@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from mixserve.core.draft_gate import PROBE_EVERY, DraftGate
+from mixserve.core.draft_gate import MAX_PROBE_EVERY, PROBE_EVERY, DraftGate
 from mixserve.core.speculative import Speculation
 from tests.core.fake_runner import FakeRunner, looping_token, make_scheduler, run_step
 
 
-def probes(steps: int) -> int:
-    """Steps 3..steps that a bucket probes on (its first two measure either mode)."""
-    return sum(1 for i in range(3, steps + 1) if i % PROBE_EVERY == 0)
+def probes(steps: int) -> list[int]:
+    """The steps (1-based) of `steps` that probe a loser that keeps losing: its first two measure either
+    mode, then the waits double from PROBE_EVERY up to MAX_PROBE_EVERY."""
+    at, wait, out = 2, PROBE_EVERY, []
+    while at + wait <= steps:
+        at += wait
+        out.append(at)
+        wait = min(2 * wait, MAX_PROBE_EVERY)
+    return out
 
 
 def settle(gate: DraftGate, decodes: int, with_rate: float, without_rate: float, steps: int) -> list[bool]:
@@ -26,14 +32,25 @@ def test_drafts_first_then_a_baseline_then_the_faster_mode() -> None:
     gate = DraftGate()
     choices = settle(gate, 1, with_rate=180.0, without_rate=90.0, steps=4 * PROBE_EVERY)
     assert choices[:2] == [True, False]  # drafts tried, then one step without for a baseline
-    assert choices[2:].count(False) == probes(len(choices))  # only the probes go without
+    assert [i + 1 for i, c in enumerate(choices) if not c][1:] == probes(len(choices))  # the probes only
     assert gate.rates()[(1, False)] == (90.0, 180.0)
 
 
 def test_where_drafts_lose_they_are_off_but_for_the_probes() -> None:
     gate = DraftGate()
-    choices = settle(gate, 16, with_rate=100.0, without_rate=130.0, steps=4 * PROBE_EVERY)
-    assert choices[2:].count(True) == probes(len(choices))
+    choices = settle(gate, 16, with_rate=100.0, without_rate=130.0, steps=40 * PROBE_EVERY)
+    assert [i + 1 for i, c in enumerate(choices) if c][1:] == probes(len(choices))
+    assert len(probes(len(choices))) < len(choices) // PROBE_EVERY // 3  # each confirming probe waits longer
+
+
+def test_a_change_of_winner_brings_the_probes_back_to_their_first_wait() -> None:
+    gate = DraftGate()
+    settle(gate, 4, with_rate=100.0, without_rate=130.0, steps=20 * PROBE_EVERY)  # waits grown
+    choices = settle(gate, 4, with_rate=300.0, without_rate=130.0, steps=2 * MAX_PROBE_EVERY)
+    first = choices.index(True)  # the probe that finds drafts now win turns them on
+    assert first >= PROBE_EVERY  # it waited longer than the first wait
+    off = [i for i, c in enumerate(choices) if not c and i > first]
+    assert off[:2] == [first + PROBE_EVERY, first + 3 * PROBE_EVERY]  # the new loser's probes: 16, then 32
 
 
 def test_buckets_are_separate_and_a_change_is_followed() -> None:
@@ -54,7 +71,7 @@ def test_steps_with_chunks_are_measured_apart() -> None:
         drafted = gate.allows(1, chunks=True)
         choices.append(drafted)
         gate.observe(1, drafted, 100, 100 / (80.0 if drafted else 120.0), chunks=True)
-    assert choices[2:].count(True) == probes(len(choices))
+    assert [i + 1 for i, c in enumerate(choices) if c][1:] == probes(len(choices))
     assert gate.allows(1) or gate.allows(1)
 
 
