@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                            for n in llms if n != "off")
         print(f"{streams:>7} " + " ".join(f"{med[n]:12.1f}" for n in llms) + f"   {ratios}")
     if args.out:
-        write_report(args.out, {"cpu_flags": cpu_flags(), "runs": runs})
+        write_report(args.out, {"cpu_flags": cpu_flags(), "settings": vars(args),
+                                "runs": [{k: v for k, v in x.items() if k != "texts"} for x in runs]})
     return 0
 
 
