@@ -17,11 +17,15 @@ from mixserve.core.step_drift import StepDrift
 TOKEN_SCALE = 1e3
 PAIR_SCALE = 1e6
 SEQ_SCALE = 1e2
-NUM_FEATURES = 5  # 1, tokens, pairs, sequences, decodes beside a chunk
+NUM_FEATURES = 6  # 1, tokens, pairs, sequences, decodes beside a chunk, rows up to FEW_ROWS
+# The CPU linears change kernel here (quant_linear.FEW_ROWS, mkl_linear.MKL_FEW_ROWS): up to it a row costs
+# its own multiply-adds, past it the weight is decoded or packed once a step and a row costs less
+# (docs/decisions/step-cost-few-rows.md). A hinge, not a bucket: the cost stays continuous in the tokens.
+FEW_ROWS = 32
 # Each size bucket (tokens per step, by powers of two) forgets with this window (in its own steps): a run
 # of many decode-only steps then cannot wash out what the rarer big prefill steps taught the fit.
 DEFAULT_WINDOW = 64
-FORMAT = "mixserve-step-cost/3"  # /3: per_mixed_decode_s, /2: per_seq_s; older files load (those 0)
+FORMAT = "mixserve-step-cost/4"  # /4 per_few_row_s, /3 per_mixed_decode_s, /2 per_seq_s; older load (as 0)
 
 
 def attended_pairs(start: int, length: int) -> int:
@@ -51,6 +55,11 @@ class StepFeatures:
                             self.num_seqs + 1, self.num_decodes + (length == 1))
 
     @property
+    def num_few_rows(self) -> int:
+        """The step's rows (tokens) up to FEW_ROWS: each costs the few-row kernels' extra per row."""
+        return min(self.num_tokens, FEW_ROWS)
+
+    @property
     def num_mixed_decodes(self) -> int:
         """Decodes in a step that also holds a chunk (0 in a decode-only step)."""
         return self.num_decodes if self.num_seqs > self.num_decodes else 0
@@ -67,25 +76,29 @@ def step_features(seqs: Iterable[tuple[int, int]]) -> StepFeatures:
 @dataclass(frozen=True)
 class CostCoefficients:
     """Step time = overhead_s + per_token_s * tokens + per_pair_s * attended (token, position) pairs
-    + per_seq_s * sequences + per_mixed_decode_s * decodes beside a chunk."""
+    + per_seq_s * sequences + per_mixed_decode_s * decodes beside a chunk + per_few_row_s * min(tokens,
+    FEW_ROWS)."""
 
     overhead_s: float = 0.0
     per_token_s: float = 0.0
     per_pair_s: float = 0.0
     per_seq_s: float = 0.0
     per_mixed_decode_s: float = 0.0
+    per_few_row_s: float = 0.0
 
     def predict(self, f: StepFeatures) -> float:
         return self.overhead_s + self.per_token_s * f.num_tokens + self.per_pair_s * f.num_pairs + \
-            self.per_seq_s * f.num_seqs + self.per_mixed_decode_s * f.num_mixed_decodes
+            self.per_seq_s * f.num_seqs + self.per_mixed_decode_s * f.num_mixed_decodes + \
+            self.per_few_row_s * f.num_few_rows
 
     def as_list(self) -> list[float]:
-        return [self.overhead_s, self.per_token_s, self.per_pair_s, self.per_seq_s, self.per_mixed_decode_s]
+        return [self.overhead_s, self.per_token_s, self.per_pair_s, self.per_seq_s, self.per_mixed_decode_s,
+                self.per_few_row_s]
 
 
 def _x(f: StepFeatures) -> tuple[float, ...]:
     return (1.0, f.num_tokens / TOKEN_SCALE, f.num_pairs / PAIR_SCALE, f.num_seqs / SEQ_SCALE,
-            f.num_mixed_decodes / SEQ_SCALE)
+            f.num_mixed_decodes / SEQ_SCALE, f.num_few_rows / SEQ_SCALE)
 
 
 @dataclass
@@ -159,7 +172,7 @@ class StepCostModel:
         xy = [sum(b.xy[i] for b in buckets) for i in range(n)]
         c = nonnegative_fit(xx, xy, sum(b.yy for b in buckets)) + [0.0] * (NUM_FEATURES - n)
         return CostCoefficients(c[0], c[1] / TOKEN_SCALE, c[2] / PAIR_SCALE, c[3] / SEQ_SCALE,
-                                c[4] / SEQ_SCALE)
+                                c[4] / SEQ_SCALE, c[5] / SEQ_SCALE)
 
     @property
     def drift(self) -> float:
@@ -190,7 +203,8 @@ class StepCostModel:
         try:
             coeffs = CostCoefficients(float(d["overhead_s"]), float(d["per_token_s"]), float(d["per_pair_s"]),
                                       float(d.get("per_seq_s", 0.0)),  # 0: a file from before these terms
-                                      float(d.get("per_mixed_decode_s", 0.0)))
+                                      float(d.get("per_mixed_decode_s", 0.0)),
+                                      float(d.get("per_few_row_s", 0.0)))
             model = cls(coeffs, int(d.get("window", DEFAULT_WINDOW)))
             for k, b in (d.get("buckets") or {}).items():
                 xx = [[float(v) for v in row] for row in b["xx"]]
@@ -258,14 +272,14 @@ class TpotBudget:
         time_left = target_s - c.predict(step) - c.per_seq_s  # the chunk is one more sequence
         if time_left < 0 or budget_left <= 0:
             return 0
-        # c.tok*L + c.pair*(L*start + L(L+1)/2) <= time_left: a quadratic increasing in L
-        a = c.per_pair_s / 2
-        b = c.per_token_s + c.per_pair_s * (start + 0.5)
-        if a > 0:
-            length = (-b + math.sqrt(b * b + 4 * a * time_left)) / (2 * a)
-        elif b > 0:
-            length = time_left / b
-        else:
+        # c.tok*L + c.pair*(L*start + L(L+1)/2) <= time_left: a quadratic increasing in L, solved first
+        # past the few-row hinge (its whole rest charged), then below it if the step stays under it
+        a, b = c.per_pair_s / 2, c.per_token_s + c.per_pair_s * (start + 0.5)
+        few_left = FEW_ROWS - step.num_few_rows
+        length = _root(a, b, time_left - c.per_few_row_s * few_left)
+        if length < few_left:
+            length = min(_root(a, b + c.per_few_row_s, time_left), few_left)
+        if math.isinf(length):
             return budget_left
         n = min(budget_left, max(0, math.floor(length)))
         # the float root may be one off either way: settle it on the exact prediction
@@ -274,3 +288,12 @@ class TpotBudget:
         while n > 0 and c.predict(step.plus(start, n)) > target_s:
             n -= 1
         return n
+
+
+def _root(a: float, b: float, time_left: float) -> float:
+    """The largest L >= 0 with a*L^2 + b*L <= time_left (a, b >= 0; inf when both are 0)."""
+    if time_left < 0:
+        return 0.0
+    if a > 0:
+        return (-b + math.sqrt(b * b + 4 * a * time_left)) / (2 * a)
+    return time_left / b if b > 0 else math.inf

@@ -8,6 +8,7 @@ import pytest
 
 from mixserve.core import BlockPool, Chunked, Scheduler, SchedulerConfig, plan
 from mixserve.core.cost_model import (
+    NUM_FEATURES,
     CostCoefficients,
     StepCostModel,
     StepFeatures,
@@ -78,8 +79,8 @@ def test_a_model_file_from_before_per_seq_s_loads_as_its_coefficients(tmp_path):
     assert model.coefficients == CostCoefficients(0.05, 0.001, 1e-6, 0.0)
     f = step_features([(10, 1)] * 3)
     assert model.predict(f) == pytest.approx(0.05 + 0.003 + 33e-6)
-    model.observe(f, 0.2)  # and learns from here with four features
-    assert len(model.to_dict()["buckets"]["2"]["xy"]) == 5
+    model.observe(f, 0.2)  # and learns from here with all of its features
+    assert len(model.to_dict()["buckets"]["2"]["xy"]) == NUM_FEATURES
 
 
 def test_the_budget_counts_the_chunk_as_one_more_sequence():

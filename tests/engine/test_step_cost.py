@@ -32,7 +32,7 @@ def test_target_profiles_fits_traces_and_writes_the_model(make_llm, tmp_path: Pa
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]  # chunking never changes tokens
     llm.engine.close()
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
-    assert lines and all(line["predicted_s"] >= 0 and len(line["cost_model"]) == 5 for line in lines)
+    assert lines and all(line["predicted_s"] >= 0 and len(line["cost_model"]) == 6 for line in lines)
     saved = StepCostModel.load(cost)
     assert saved.num_samples == sc.profiled + len(lines)  # it went on learning from the real steps
     assert saved.coefficients.as_list() == pytest.approx(sc.model.coefficients.as_list())
