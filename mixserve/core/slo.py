@@ -30,6 +30,8 @@ TTFT_RISK = 2.0  # a prompt is at risk once twice its prefill's time alone would
 WAIT_BOUND_TTFTS = 10.0  # a request waiting this many TTFT SLOs is admitted first, given up on or not
 PACE = 0.9  # the step limit paces decodes at this fraction of the TPOT SLO: one slow step stays inside it
 PROBE_EVERY = 8  # after this many exclusive choices in a row one mixed step runs: the fit keeps seeing them
+MAX_STRETCH = 4  # a stretched step takes the time of at most this many paced steps, the rest decode-only
+STRETCH_GAIN = 1.1  # and only for this much more prefill per paced step: its arrivals wait the longer step
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class SloCounts:
     given_up_ttft: int = 0
     given_up_tpot: int = 0
     exclusive_steps: int = 0  # decode-only steps chosen over a mixed one, each then a prefill-only one
+    stretched_steps: int = 0  # mixed steps given the time of k paced steps, then k - 1 decode-only ones
 
 
 class SloBudget(TpotBudget):
@@ -76,6 +79,8 @@ class SloBudget(TpotBudget):
         self.ttft_at_risk = False
         self.mode = "mixed"  # the last step's: mixed | decode-only | prefill-only
         self._exclusive_run = 0  # exclusive choices since the last mixed step with decodes and a chunk
+        self.cap_s = math.inf  # this step's cap, whatever the decodes' slack
+        self._repay = 0  # decode-only steps still owed after a stretched step
 
     def planning_coefficients(self) -> CostCoefficients:
         # the fit times the drift, without the spread's margin: slack is kept on measured times, so a
@@ -130,9 +135,12 @@ class SloBudget(TpotBudget):
             for r in (*(r for r in running if r.is_prefilling), *waiting):
                 self._check_ttft(r, now, c)
         tpot = self.targets.tpot_s
-        cap = math.inf if self.ttft_at_risk or not tpot else STEP_CAP_TPOTS * tpot
+        self.cap_s = cap = math.inf if self.ttft_at_risk or not tpot else STEP_CAP_TPOTS * tpot
         self.target_s = min(limit, cap) - (self.decode_s if prefill_only else 0.0)
         self.mode = "prefill-only" if prefill_only else "mixed"
+        if self._repay and decodes and not prefill_only:  # after a stretched step: the decodes alone
+            self._repay -= 1
+            self.target_s, self.mode = min(self.target_s, self.decode_s), "decode-only"
         return self.ordered(waiting)
 
     def _check_ttft(self, r: Request, now: float, c: CostCoefficients) -> None:
@@ -186,7 +194,26 @@ class SloBudget(TpotBudget):
         if split:
             self.counts.exclusive_steps += 1
             self.mode = "decode-only"
+        elif self.mode == "mixed":
+            self._stretch(decodes, start, budget_left, c)
         return split
+
+    def _stretch(self, decodes: StepFeatures, start: int, budget_left: int, c: CostCoefficients) -> None:
+        """Give this step the time of k paced steps less k - 1 decode-only ones after it, for the k that
+        prefills most per paced step, if more than one (the CPU's fixed cost of a step past the few-row
+        kernels is then paid once, not k times)."""
+        if math.isinf(self.target_s):
+            return
+        one = self.chunk_budget(decodes, start, budget_left)
+        best, best_k, best_s = float(one), 1, self.target_s
+        for k in range(2, MAX_STRETCH + 1):
+            stretched_s = min(k * self.target_s - (k - 1) * c.predict(decodes), self.cap_s)
+            n = self.chunk_budget(decodes, start, budget_left, stretched_s)
+            if n / k > STRETCH_GAIN * best:
+                best, best_k, best_s = n / k, k, stretched_s
+        if best_k > 1:
+            self.target_s, self._repay, self.mode = best_s, best_k - 1, "stretched"
+            self.counts.stretched_steps += 1
 
     def stats(self) -> dict:
         """SchedulerStats' fields: the cost model's, the counts, this step's limit and mode."""

@@ -39,6 +39,7 @@ class SchedulerStats:
     slo_given_up_ttft: int = 0
     slo_given_up_tpot: int = 0
     slo_exclusive_steps: int = 0
+    slo_stretched_steps: int = 0
     slo_step_limit_s: float | None = None
     slo_mode: str | None = None
 

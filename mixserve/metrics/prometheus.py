@@ -84,6 +84,9 @@ class ServerMetrics:
         self.slo_exclusive_steps = Counter("mixserve:slo_exclusive_steps", "Decode-only steps the SLO mode "
                                            "chose over a mixed one (each followed by a prefill-only one).",
                                            registry=r)
+        self.slo_stretched_steps = Counter("mixserve:slo_stretched_steps", "Mixed steps the SLO mode gave "
+                                           "the time of several paced steps (decode-only ones after them).",
+                                           registry=r)
         self.slo_step_limit = Gauge("mixserve:slo_step_limit_seconds", "The SLO mode's time limit of the "
                                     "last step, from the running requests' TPOT slack.", registry=r)
         self._totals_seen: dict[Counter, int] = {}  # the engine's totals at the last observe_stats
@@ -121,7 +124,8 @@ class ServerMetrics:
                   self.spec_accepted_tokens: stats.spec_num_accepted_tokens,
                   self.slo_given_up.labels("ttft"): stats.slo_given_up_ttft,
                   self.slo_given_up.labels("tpot"): stats.slo_given_up_tpot,
-                  self.slo_exclusive_steps: stats.slo_exclusive_steps}
+                  self.slo_exclusive_steps: stats.slo_exclusive_steps,
+                  self.slo_stretched_steps: stats.slo_stretched_steps}
         totals.update({self.spec_accepted_per_pos.labels(str(i)): n
                        for i, n in enumerate(stats.spec_accepted_per_pos)})
         if engine is not None:
