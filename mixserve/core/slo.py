@@ -11,8 +11,10 @@ TTFT deadline (arrival, as every request has the same SLO), given-up ones last, 
 longer than WAIT_BOUND_TTFTS TTFT SLOs goes first: nobody starves. Per step the budget also chooses
 between one mixed step and a decode-only step followed by a prefill-only one (`exclusive`), whichever
 prefills more in the same time; every PROBE_EVERY-th such choice runs mixed anyway, as the cost of a
-decode beside a chunk is learnt only from mixed steps. Decodes are paced at PACE of their TPOT SLO, so
-a step slower than predicted does not tip them over it. Why: docs/decisions/serving-to-an-slo.md.
+decode beside a chunk is learnt only from mixed steps. A mixed step may also be stretched to the time of k
+paced steps, the k - 1 after it decode-only, where the cost model's few-row hinge makes that prefill more
+(`_stretch`). Decodes are paced at PACE of their TPOT SLO, so a step slower than predicted does not tip
+them over it. Why: docs/decisions/serving-to-an-slo.md.
 """
 
 from __future__ import annotations
