@@ -151,13 +151,26 @@ def test_cat_of_formats_equals_the_dequantized_concatenation(int8_inputs: bool, 
     assert_linear_close(got[:, :11], x, deq[:11], bias[:11], dot)
     assert_linear_close(got[:, 11:18], x, deq[11:18], bias[11:18], False)
     assert_linear_close(got[:, 18:], x, deq[18:], bias[18:], dot)
-    monkeypatch.setattr(ql, "_TILE_ELEMS", 4 * K)  # tiles of 4 rows: segments split across several tiles
-    got = ql.linear(x, fused, bias)
-    assert_linear_close(got[:, 11:18], x, deq[11:18], bias[11:18], False)
-    if rows > ql.FEW_ROWS:
-        assert_linear_close(got, x, deq, bias, False)
+    # the path of CPUs without panels: tiles of 4 rows decoded row-major, segments split across several
+    monkeypatch.setattr(ql, "_TILE_ELEMS", 4 * K)
+    assert_linear_close(ql._tiles(x, fused, bias), x, deq, bias, False)
     with pytest.raises(ValueError, match="different widths"):
         ql.cat([weight(8, 2, k=64), weight(8, 2, k=96)])
+
+
+@pytest.mark.parametrize("rows", [ql.FEW_ROWS + 1, 133])
+@pytest.mark.parametrize(("qtype", "k"), [(3, 576), (8, 608), (14, 768), (ql.INT8_ROW, 301)],
+                         ids=["Q4_1", "Q8_0", "Q6_K", "int8"])
+def test_panel_product_covers_every_panel_and_strip(qtype: int, k: int, rows: int) -> None:
+    """Past FEW_ROWS a weight of several column panels, the last one partial (n = 150: 64-wide panels on
+    AVX-512, 16 on AVX2), and a k that ends in a partial strip of 256 (int8: and in less than a vector):
+    each panel and strip decoded to its place and multiplied by every row."""
+    n = 150
+    g = torch.Generator().manual_seed(rows + k)
+    w = ql.quantize_int8(torch.randn(n, k, generator=g)) if qtype == ql.INT8_ROW else weight(qtype, n, k, 7)
+    x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    assert_linear_close(ql.linear(x, w, bias), x, ql.dequantize(w), bias)
+    assert_linear_close(ql.linear(x, w, None), x, ql.dequantize(w), None)
 
 
 def test_map_rows_permutes_rows_and_scales() -> None:

@@ -2,8 +2,9 @@
 
 A `QuantWeight` is an (n, k) weight as rows of blocks: GGUF's formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K,
 a view of the file's memory map where nothing had to move) or int8 per output channel with float32 scales.
-Few rows (decode steps) run csrc/quant_linear.cpp on the blocks; more rows (prefill chunks) decode tiles of
-the weight to float32 and run torch's GEMM on them: there the GEMM's compute, not the bytes, is the cost.
+Few rows (decode steps) run csrc/quant_linear.cpp on the blocks; more rows (prefill chunks) decode a column
+panel of the weight at a time to float32 in cache and multiply it there (csrc/quant_panels.cpp): there the
+compute, not the bytes, is the cost.
 docs/decisions/quantized-weights-in-place.md has the measurements behind both and the row threshold.
 """
 
@@ -25,12 +26,12 @@ INT8_ROW = 100  # our int8 per output channel (not a ggml type): a row is k int8
 FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
            8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
            13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), INT8_ROW: ("int8", 1, 1)}
-FEW_ROWS = 32  # up to this many rows the block kernel; above, decoded tiles and the GEMM (see the record)
+FEW_ROWS = 32  # up to this many rows the block kernel; above, decoded panels (see the record)
 # True: the 32-element formats' few-row products as integer dots on inputs rounded to int8 per block of 32,
 # as llama.cpp does (csrc/quant_dot.h). False (kept): float32 products on the decoded weights, as fast here
 # and exact, so greedy output equals `none`'s (docs/decisions/quantized-weights-in-place.md)
 INT8_INPUTS = False
-_TILE_ELEMS = 1 << 22  # float32 elements of weight decoded at a time for the GEMM path (16 MiB)
+_TILE_ELEMS = 1 << 22  # float32 elements of weight decoded at a time where there are no panels (16 MiB)
 
 
 @dataclass(frozen=True, eq=False)
@@ -172,56 +173,56 @@ def linear(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:
         return out.to(x.dtype)
     if x.stride(1) != 1 or x.stride(0) < w.k:
         x = x.contiguous()
-    return _few_rows(x, w, bias) if x.shape[0] <= FEW_ROWS else _tiles(x, w, bias)
+    if x.shape[0] <= FEW_ROWS:
+        return _few_rows(x, w, bias)
+    return _panels(x, w, bias) if few_row_linear.panel_width() else _tiles(x, w, bias)
 
 
-def _few_rows(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:
+def _per_segment(x: Tensor, w: QuantWeight, bias: Tensor | None, call: Callable[..., int],
+                 what: str) -> Tensor:
+    """out (m, n) from `call(qtype, x, ldx, m, data, row_bytes, rows, k, scales, bias, out, ldo)` per segment,
+    each writing its own columns of out."""
     m, n, k = x.shape[0], w.n, w.k
     out = torch.empty((m, n), dtype=torch.float32)
-    kernel, threads, int8 = load_library().mixserve_quant_linear, torch.get_num_threads(), int(INT8_INPUTS)
     xp, ldx, op = x.data_ptr(), x.stride(0), out.data_ptr()
     bp = None if bias is None else bias.data_ptr()
     col = 0
     for seg in w.segments:
         qtype, data, row_bytes, rows, scales = seg.args
-        rc = kernel(qtype, xp, ldx, m, data, row_bytes, rows, k, scales, None if bp is None else bp + 4 * col,
-                    op + 4 * col, n, int8, threads)
+        rc = call(qtype, xp, ldx, m, data, row_bytes, rows, k, scales, None if bp is None else bp + 4 * col,
+                  op + 4 * col, n)
         if rc != 0:
-            _check(rc, "linear")
+            _check(rc, what)
         col += rows
     return out
 
 
-def _tile_product(x: Tensor, seg: QuantSegment, k: int, first: int, count: int,
-                  bias: Tensor | None) -> Tensor:
-    """x @ rows [first, first + count) of the segment, decoded into float32: straight into the few-row
-    kernel's column panels where it was built (F.linear on an unpacked weight is ~2x slower than a packed
-    GEMM, and the panels match the packed one up to 256 rows), else row-major for F.linear."""
-    width = few_row_linear.panel_width()
-    if width == 0:
-        tile = _scratch(count * k)[: count * k].view(count, k)
-        _decode(seg, k, tile, first=first)
-        return F.linear(x, tile, bias)
-    size = -(-count // width) * width * k
-    panels = _scratch(size)[:size]
-    qtype, data, row_bytes, _, scales = seg.args
-    _check(load_library().mixserve_quant_decode_panels(qtype, data, row_bytes, k, scales, first, count,
-                                                       panels.data_ptr(), torch.get_num_threads()), "decode")
-    return few_row_linear.linear(x, few_row_linear.PanelWeight(panels, count, k, 0), bias)
+def _few_rows(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:
+    kernel, threads, int8 = load_library().mixserve_quant_linear, torch.get_num_threads(), int(INT8_INPUTS)
+    return _per_segment(x, w, bias, lambda *args: kernel(*args, int8, threads), "linear")
+
+
+def _panels(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:
+    """Each thread decodes a column panel of the weight into cache and multiplies every row by it there
+    (csrc/quant_panels.cpp): the decoded weight never goes to memory."""
+    kernel, threads = load_library().mixserve_quant_panel_linear, torch.get_num_threads()
+    return _per_segment(x, w, bias, lambda *args: kernel(*args, threads), "panel linear")
 
 
 def _tiles(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:
+    """Where the kernels have no panels (neither AVX-512 nor AVX2 with FMA): tiles of the weight decoded
+    row-major into a scratch buffer, then torch's GEMM."""
     n, k = w.shape
     rows = max(1, _TILE_ELEMS // k)
-    if len(w.segments) == 1 and n <= rows:  # the common case: the whole weight is one tile
-        return _tile_product(x, w.segments[0], k, 0, n, bias)
     out = torch.empty((x.shape[0], n), dtype=torch.float32)
     col = 0
     for seg in w.segments:
         for start in range(0, seg.rows, rows):
             count = min(rows, seg.rows - start)
+            tile = _scratch(count * k)[: count * k].view(count, k)
+            _decode(seg, k, tile, first=start)
             b = None if bias is None else bias[col + start : col + start + count]
-            out[:, col + start : col + start + count] = _tile_product(x, seg, k, start, count, b)
+            out[:, col + start : col + start + count] = F.linear(x, tile, b)
         col += seg.rows
     return out
 

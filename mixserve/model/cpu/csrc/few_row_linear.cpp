@@ -149,6 +149,19 @@ void pass_rows(int rows, const typename E::T* x, int64_t ldx, const typename E::
     }
 }
 
+// All m rows of x against one panel (`valid` of its columns real), in passes that share the rows evenly
+// (32: 6 6 5 5 5 5, not 6 6 6 6 6 2: a pass of few rows is slow), prefetching `next` (the next panel).
+template <typename E>
+void panel_rows(const typename E::T* x, int64_t ldx, int64_t m, const typename E::T* panel, int64_t depth,
+                const typename E::T* bias, typename E::T* out, int64_t ldo, int64_t valid, const char* next) {
+    const int64_t passes = (m + MAX_ROWS - 1) / MAX_ROWS;
+    for (int64_t j = 0, r0 = 0; r0 < m; r0 += m / passes + (j < m % passes), ++j) {
+        const int rows = static_cast<int>(m / passes + (j < m % passes));
+        pass_rows<E>(rows, x + r0 * ldx, ldx, panel, depth, bias, out + r0 * ldo, ldo, valid,
+                     Ahead{next, j * depth / passes, passes});
+    }
+}
+
 // Every panel of the weight, split in contiguous runs across threads; `depth` k steps per panel (k in
 // float32, k / 2 in bf16).
 template <typename E>
@@ -159,7 +172,6 @@ void run_panels(const void* xv, int64_t ldx, int64_t m, const void* panels_v, in
     const T* bias = static_cast<const T*>(bias_v);
     T* out = static_cast<T*>(out_v);
     const int64_t count = (n + PANEL - 1) / PANEL, stride = depth * ROW_BYTES / sizeof(T);
-    const int64_t passes = (m + MAX_ROWS - 1) / MAX_ROWS;
 #pragma omp parallel num_threads(num_threads) if (count >= 2 * num_threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -167,18 +179,20 @@ void run_panels(const void* xv, int64_t ldx, int64_t m, const void* panels_v, in
         for (int64_t p = first; p < last; ++p) {
             const T* panel = panels + p * stride;
             const char* next = reinterpret_cast<const char*>(p + 1 < last ? panel + stride : panel);
-            const int64_t valid = std::min<int64_t>(PANEL, n - p * PANEL);
-            // rows shared evenly by the passes (32: 6 6 5 5 5 5, not 6 6 6 6 6 2: a pass of few rows is slow)
-            for (int64_t j = 0, r0 = 0; r0 < m; r0 += m / passes + (j < m % passes), ++j) {
-                const int rows = static_cast<int>(m / passes + (j < m % passes));
-                pass_rows<E>(rows, x + r0 * ldx, ldx, panel, depth, bias ? bias + p * PANEL : nullptr,
-                             out + r0 * ldo + p * PANEL, ldo, valid, Ahead{next, j * depth / passes, passes});
-            }
+            panel_rows<E>(x, ldx, m, panel, depth, bias ? bias + p * PANEL : nullptr, out + p * PANEL, ldo,
+                          std::min<int64_t>(PANEL, n - p * PANEL), next);
         }
     }
 }
 
 }  // namespace
+
+// One float32 panel against all m rows, on the calling thread (quant_panels.cpp decodes a quantized weight's
+// panel and multiplies it here, while it is in cache); `next`: what to prefetch meanwhile.
+void mixserve_few_row_panel_f32(const float* x, int64_t ldx, int64_t m, const float* panel, int64_t k,
+                                const float* bias, float* out, int64_t ldo, int64_t valid, const char* next) {
+    panel_rows<F32>(x, ldx, m, panel, k, bias, out, ldo, valid, next);
+}
 
 #endif  // MIXSERVE_FEW_ROW_SIMD
 

@@ -38,6 +38,34 @@ inline Vf vadd(Vf a, Vf b) { return _mm512_add_ps(a, b); }
 inline Vf vload_masked(Mask m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
 inline void vstore_masked(float* p, Mask m, Vf v) { _mm512_mask_storeu_ps(p, m, v); }
 
+// dst[j * ldd + i] = src[i * lds + j] for i, j < 16: a tile transposed in registers (pairs, quads, then
+// 128-bit lanes twice), 64 shuffles for 256 floats where element by element costs a load and a store each
+inline void transpose_tile(const float* src, int64_t lds, float* dst, int64_t ldd) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+    for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: a0 b0 a1 b1 | a2 b2 a3 b3
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // u[i + j], lane L: column 4L + j of rows i..i+3
+        const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+        const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int j = 0; j < 4; ++j) {  // column 4L + j: lane L of r[j], r[4 + j], r[8 + j], r[12 + j]
+        const __m512 ab_lo = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), ab_hi = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+        const __m512 cd_lo = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+        const __m512 cd_hi = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+        _mm512_storeu_ps(dst + j * ldd, _mm512_shuffle_f32x4(ab_lo, cd_lo, 0x88));
+        _mm512_storeu_ps(dst + (4 + j) * ldd, _mm512_shuffle_f32x4(ab_hi, cd_hi, 0x88));
+        _mm512_storeu_ps(dst + (8 + j) * ldd, _mm512_shuffle_f32x4(ab_lo, cd_lo, 0xdd));
+        _mm512_storeu_ps(dst + (12 + j) * ldd, _mm512_shuffle_f32x4(ab_hi, cd_hi, 0xdd));
+    }
+}
+
 }  // namespace
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -63,6 +91,28 @@ inline Vf vfmadd(Vf a, Vf b, Vf acc) { return _mm256_fmadd_ps(a, b, acc); }
 inline Vf vadd(Vf a, Vf b) { return _mm256_add_ps(a, b); }
 inline Vf vload_masked(Mask m, const float* p) { return _mm256_maskload_ps(p, m); }
 inline void vstore_masked(float* p, Mask m, Vf v) { _mm256_maskstore_ps(p, m, v); }
+
+// dst[j * ldd + i] = src[i * lds + j] for i, j < 8: a tile transposed in registers (pairs, quads, halves)
+inline void transpose_tile(const float* src, int64_t lds, float* dst, int64_t ldd) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {  // r[i + j], half H: column 4H + j of rows i..i+3
+        const __m256d a = _mm256_castps_pd(t[i]), b = _mm256_castps_pd(t[i + 1]);
+        const __m256d c = _mm256_castps_pd(t[i + 2]), d = _mm256_castps_pd(t[i + 3]);
+        r[i] = _mm256_castpd_ps(_mm256_unpacklo_pd(a, c));
+        r[i + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a, c));
+        r[i + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(b, d));
+        r[i + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(b, d));
+    }
+    for (int j = 0; j < 4; ++j) {
+        _mm256_storeu_ps(dst + j * ldd, _mm256_permute2f128_ps(r[j], r[4 + j], 0x20));
+        _mm256_storeu_ps(dst + (4 + j) * ldd, _mm256_permute2f128_ps(r[j], r[4 + j], 0x31));
+    }
+}
 
 }  // namespace
 

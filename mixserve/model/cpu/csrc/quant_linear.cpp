@@ -1,6 +1,6 @@
 // Linears on quantized weights read in place (GGUF blocks, int8 per channel): out = x @ w.T + bias for few
-// rows, and rows of w decoded to float32 (the embedding lookup, and the tiles the packed GEMM takes for
-// prefill chunks: mixserve/model/cpu/quant_linear.py).
+// rows, and rows of w decoded to float32 (the embedding lookup; prefill chunks' tiles are decoded into the
+// few-row kernel's panels instead: quant_panels.cpp).
 //
 // A decode step is bound by the bytes it reads, so the weight stays in its blocks: a thread walks its own run
 // of output columns (rows of w, contiguous in the file), prefetching the rows ahead. The 32-element formats
@@ -248,44 +248,5 @@ int mixserve_quant_decode_rows(int type, const void* data, int64_t row_bytes, in
     }
     return 0;
 }
-
-#ifdef MIXSERVE_FEW_ROW_SIMD
-// Rows [first, first + count) of w decoded straight into the column panels mixserve_few_row_linear reads
-// (float32, LANES * VECS columns a panel, k-major; zeros past the last row), a panel per thread at a time:
-// the GEMM path of prefill chunks, with no row-major copy between.
-int mixserve_quant_decode_panels(int type, const void* data, int64_t row_bytes, int64_t k, const float* scales,
-                                 int64_t first, int64_t count, float* panels, int num_threads) {
-    if (!valid(type, k, scales)) return 1;
-    constexpr int64_t WIDTH = LANES * VECS;
-    const uint8_t* w = static_cast<const uint8_t*>(data);
-    const int64_t n_panels = (count + WIDTH - 1) / WIDTH;
-#pragma omp parallel num_threads(num_threads)
-    {
-        // the panel's rows decoded row-major (in L2), then transposed; a row's stride padded by a line so the
-        // transpose's WIDTH reads fall in different L1 sets (k = 1536: a 6 KiB stride maps them to 2 sets)
-        const int64_t ld = k + 16;
-        std::vector<float> rows(WIDTH * ld);
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < n_panels; ++p) {
-            const int64_t valid = std::min<int64_t>(WIDTH, count - p * WIDTH);
-            for (int64_t c = 0; c < WIDTH; ++c) {
-                const int64_t j = first + p * WIDTH + c;
-                float* dst = rows.data() + c * ld;
-                if (c < valid) decode_row(type, w + j * row_bytes, k, scales ? scales[j] : 1.f, dst);
-                else std::fill_n(dst, k, 0.f);
-            }
-            // writes in order; the reads touch WIDTH lines at a time, each reused for 16 k: they stay in L1
-            float* panel = panels + p * k * WIDTH;
-            for (int64_t kk = 0; kk < k; ++kk)
-                for (int64_t c = 0; c < WIDTH; ++c) panel[kk * WIDTH + c] = rows[c * ld + kk];
-        }
-    }
-    return 0;
-}
-#else
-int mixserve_quant_decode_panels(int, const void*, int64_t, int64_t, const float*, int64_t, int64_t, float*, int) {
-    return 2;
-}
-#endif
 
 }  // extern "C"

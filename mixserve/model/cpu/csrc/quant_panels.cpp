@@ -1,0 +1,97 @@
+// The product of more rows than a decode step's (prefill chunks) on a quantized weight: each thread decodes
+// one column panel of the weight at a time into its own buffer, the layout mixserve_few_row_linear reads, and
+// multiplies every input row by it while the panel is in cache (mixserve/model/cpu/quant_linear.py).
+//
+// A panel is WIDTH weight rows k-major, so a row's elements land WIDTH floats apart. The rows are decoded a
+// strip of K_STRIP elements at a time into a small row-major buffer (in L1) and transposed from there into
+// the panel a tile at a time in registers (few_row_simd.h): element by element the transposition cost ~3x the
+// decode (docs/decisions/quantized-weights-in-place.md). The products are float32 on the exact decoded
+// weights, as the few-row block kernel's.
+#include <omp.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "few_row_simd.h"
+#include "quant_blocks.h"
+
+using mixserve::block_bytes;
+using mixserve::block_elems;
+using mixserve::decode_row;
+
+#ifdef MIXSERVE_FEW_ROW_SIMD
+void mixserve_few_row_panel_f32(const float* x, int64_t ldx, int64_t m, const float* panel, int64_t k,
+                                const float* bias, float* out, int64_t ldo, int64_t valid, const char* next);
+
+namespace {
+
+constexpr int64_t WIDTH = LANES * VECS;
+// a strip holds whole blocks of every format (K-quants: 256); its rows padded by a line so the transposition's
+// LANES reads of one tile fall in different L1 sets
+constexpr int64_t K_STRIP = 256, LD = K_STRIP + 16;
+
+// Rows [j0, j0 + valid) of w (zeros up to WIDTH) into panel[kk * WIDTH + c] = w[j0 + c, kk].
+void decode_panel(int type, const uint8_t* w, int64_t row_bytes, int64_t k, const float* scales, int64_t j0,
+                  int64_t valid, float* strip, float* panel) {
+    const int64_t be = block_elems(type), bb = block_bytes(type);
+    for (int64_t k0 = 0; k0 < k; k0 += K_STRIP) {
+        const int64_t kn = std::min<int64_t>(K_STRIP, k - k0);  // whole blocks: k0 and k are multiples of be
+        for (int64_t c = 0; c < WIDTH; ++c) {
+            float* dst = strip + c * LD;
+            const int64_t j = j0 + c;
+            if (c < valid) decode_row(type, w + j * row_bytes + k0 / be * bb, kn, scales ? scales[j] : 1.f, dst);
+            else std::fill_n(dst, kn, 0.f);
+        }
+        int64_t kk = 0;
+        for (; kk + LANES <= kn; kk += LANES)
+            for (int64_t v = 0; v < VECS; ++v)
+                transpose_tile(strip + v * LANES * LD + kk, LD, panel + (k0 + kk) * WIDTH + v * LANES, WIDTH);
+        for (; kk < kn; ++kk)  // an int8 row's tail, k not a multiple of the vector
+            for (int64_t c = 0; c < WIDTH; ++c) panel[(k0 + kk) * WIDTH + c] = strip[c * LD + kk];
+    }
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
+#ifdef MIXSERVE_FEW_ROW_SIMD
+// out[r, j] = sum_i x[r, i] w[j, i] (+ bias[j]) for r < m, j < n, w's rows `row_bytes` bytes of blocks of
+// `type` (quant_linear.cpp's layout); x, out float32 with row strides ldx, ldo. 0, or 1 for a type/k it
+// cannot read.
+int mixserve_quant_panel_linear(int type, const float* x, int64_t ldx, int64_t m, const void* data,
+                                int64_t row_bytes, int64_t n, int64_t k, const float* scales, const float* bias,
+                                float* out, int64_t ldo, int num_threads) {
+    const int64_t be = block_elems(type);
+    if (be == 0 || k <= 0 || k % be != 0 || (type == mixserve::INT8_ROW && scales == nullptr)) return 1;
+    const uint8_t* w = static_cast<const uint8_t*>(data);
+    const int64_t count = (n + WIDTH - 1) / WIDTH;
+#pragma omp parallel num_threads(num_threads) if (count >= 2 * num_threads)
+    {
+        std::vector<float> strip(WIDTH * LD), panel(WIDTH * k);
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t first = count * t / nt, last = count * (t + 1) / nt;  // contiguous: one stream a thread
+        for (int64_t p = first; p < last; ++p) {
+            const int64_t j0 = p * WIDTH, valid = std::min<int64_t>(WIDTH, n - j0);
+            if (p + 1 < last) {  // the next panel's blocks (contiguous rows) into L2 while this one computes
+                const char* next = reinterpret_cast<const char*>(w + (j0 + WIDTH) * row_bytes);
+                const int64_t bytes = std::min<int64_t>(WIDTH, n - j0 - WIDTH) * row_bytes;
+                for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
+            }
+            decode_panel(type, w, row_bytes, k, scales, j0, valid, strip.data(), panel.data());
+            mixserve_few_row_panel_f32(x, ldx, m, panel.data(), k, bias ? bias + j0 : nullptr, out + j0, ldo,
+                                       valid, reinterpret_cast<const char*>(panel.data()));
+        }
+    }
+    return 0;
+}
+#else
+int mixserve_quant_panel_linear(int, const float*, int64_t, int64_t, const void*, int64_t, int64_t, int64_t,
+                                const float*, const float*, float*, int64_t, int) {
+    return 2;
+}
+#endif
+
+}  // extern "C"
