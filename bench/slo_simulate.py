@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -40,25 +41,43 @@ def settings_of(row: dict, slo_argv: str) -> SimSettings:
                        tpot_target_ms=row["tpot_target_ms"], **slo)
 
 
+def slug_of(row: dict) -> str:
+    """The sweep's file name for a row's setting (`Setting.slug`)."""
+    what = f"chunk{row['prefill_chunk']}" if row["prefill_chunk"] else "whole"
+    if row["tpot_target_ms"]:
+        what = f"tpot{row['tpot_target_ms']:g}"
+    if row.get("slo_mode"):
+        what = "slo"
+    return f"{what}-b{row['max_batch_tokens']}"
+
+
+def fits(rate_dir: Path, slug: str) -> list:
+    """The cost model each run of `slug` wrote: one per round (`{slug}-r1`, ...) when the sweep repeated."""
+    return [StepCostModel.load(f).coefficients for f in sorted((rate_dir / "tmp").glob(f"{slug}*.cost.json"))]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sweep_dir")
+    ap.add_argument("--own-fit", action="store_true",
+                    help="replay each setting on the fit its own server wrote, not the SLO-mode server's")
     args = ap.parse_args()
     out = Path(args.sweep_dir)
     print("| rate | setting | goodput measured | simulated | sim / measured |\n|---|---|---|---|---|")
     for rate_dir in sorted(out.glob("rate*"), key=lambda p: float(p.name[4:])):
         sweep = json.loads((rate_dir / "sweep.json").read_text())
         opts = sweep["options"]
-        slo_row = next(r for r in sweep["rows"] if r.get("slo_mode"))
-        slug = f"slo-b{slo_row['max_batch_tokens']}"
-        cost = StepCostModel.load(rate_dir / "tmp" / f"{slug}.cost.json").coefficients
+        slo_slug = slug_of(next(r for r in sweep["rows"] if r.get("slo_mode")))
         specs = specs_of(sweep["workload"])
         for row in sweep["rows"]:
             if "error" in row:
                 continue
-            run = simulate(specs, cost, settings_of(row, ""))
-            sim = build_report(run.results, run.duration_s, slo_ttft=opts["slo_ttft"],
-                               slo_tpot=opts["slo_tpot"])["goodput"]
+            sims = []
+            for cost in fits(rate_dir, slug_of(row) if args.own_fit else slo_slug):
+                run = simulate(specs, cost, settings_of(row, ""))
+                sims.append(build_report(run.results, run.duration_s, slo_ttft=opts["slo_ttft"],
+                                         slo_tpot=opts["slo_tpot"])["goodput"])
+            sim = statistics.median(sims)
             ratio = f"{sim / row['goodput']:.2f}" if row["goodput"] else "-"
             print(f"| {rate_dir.name[4:]} | {row['setting']} | {row['goodput']:.3f} | {sim:.3f} | {ratio} |")
     return 0
