@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """`mixserve simulate` beside a goodput sweep (`bench sweep --request-rate A,B,C --slo-mode`): each rate's
 settings replayed on the cost model the SLO-mode server of that rate wrote on shutdown (start-up profile
-plus every step it served), goodput measured against simulated. Prints a markdown table.
+plus every step it served), or with --own-fit each setting on its own servers' fits (the median over the
+sweep's rounds), goodput measured against simulated. Prints a markdown table.
 
-    .venv/bin/python bench/slo_simulate.py bench/results/slo
+    .venv/bin/python bench/slo_simulate.py bench/results/slo --own-fit
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mixserve.bench.report import build_report  # noqa: E402
 from mixserve.bench.simulate import SimSettings, simulate  # noqa: E402
+from mixserve.bench.sweep import Setting  # noqa: E402
 from mixserve.bench.workload import DEFAULT_VOCAB_SIZE, workload_m  # noqa: E402
 from mixserve.core.cost_model import StepCostModel  # noqa: E402
 
@@ -42,13 +44,9 @@ def settings_of(row: dict, slo_argv: str) -> SimSettings:
 
 
 def slug_of(row: dict) -> str:
-    """The sweep's file name for a row's setting (`Setting.slug`)."""
-    what = f"chunk{row['prefill_chunk']}" if row["prefill_chunk"] else "whole"
-    if row["tpot_target_ms"]:
-        what = f"tpot{row['tpot_target_ms']:g}"
-    if row.get("slo_mode"):
-        what = "slo"
-    return f"{what}-b{row['max_batch_tokens']}"
+    """The sweep's file name for a row's setting."""
+    return Setting(row["prefill_chunk"], row["max_batch_tokens"], row["tpot_target_ms"],
+                   row.get("slo_mode") or "").slug
 
 
 def fits(rate_dir: Path, slug: str) -> list:
