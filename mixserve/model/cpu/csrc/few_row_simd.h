@@ -5,8 +5,8 @@
 // input beside them: AVX-512 6 x 4 (24 + 4 + 1 of 32 registers, a 64-column panel), AVX2 6 x 2 (12 + 2 + 1
 // of 16, a 16-column panel: BLIS's Haswell shape). A panel row is then 4 cache lines or 1.
 // The two blocks below mirror each other on purpose: the same names (lanes, vzero, vload, vbroadcast,
-// vfmadd, vadd, vload_masked, vstore_masked), one intrinsic each; folding them into macros would hide which
-// instruction each ISA runs.
+// vfmadd, vadd, vload_masked, vstore_masked, the transposition's unpacks and store_columns), one intrinsic
+// each; folding them into macros would hide which instruction each ISA runs.
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
@@ -38,25 +38,22 @@ inline Vf vadd(Vf a, Vf b) { return _mm512_add_ps(a, b); }
 inline Vf vload_masked(Mask m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
 inline void vstore_masked(float* p, Mask m, Vf v) { _mm512_mask_storeu_ps(p, m, v); }
 
-// dst[j * ldd + i] = src[i * lds + j] for i, j < 16: a tile transposed in registers (pairs, quads, then
-// 128-bit lanes twice), 64 shuffles for 256 floats where element by element costs a load and a store each
-inline void transpose_tile(const float* src, int64_t lds, float* dst, int64_t ldd) {
-    __m512 r[16], t[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
-    for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: a0 b0 a1 b1 | a2 b2 a3 b3
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {  // u[i + j], lane L: column 4L + j of rows i..i+3
-        const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
-        const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
-        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-    }
-    for (int j = 0; j < 4; ++j) {  // column 4L + j: lane L of r[j], r[4 + j], r[8 + j], r[12 + j]
-        const __m512 ab_lo = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), ab_hi = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+// the transposition's in-lane steps (unpack pairs of floats, then pairs of pairs), one intrinsic each
+inline Vf vunpacklo(Vf a, Vf b) { return _mm512_unpacklo_ps(a, b); }
+inline Vf vunpackhi(Vf a, Vf b) { return _mm512_unpackhi_ps(a, b); }
+inline Vf vunpacklo64(Vf a, Vf b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+}
+inline Vf vunpackhi64(Vf a, Vf b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+}
+
+// The transposition's last step, across the four 128-bit lanes: r[i + j], lane L holds column 4L + j of
+// rows i..i+3, so column 4L + j is lane L of r[j], r[4 + j], r[8 + j], r[12 + j].
+inline void store_columns(const Vf* r, float* dst, int64_t ldd) {
+    for (int j = 0; j < 4; ++j) {
+        const __m512 ab_lo = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+        const __m512 ab_hi = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
         const __m512 cd_lo = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
         const __m512 cd_hi = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
         _mm512_storeu_ps(dst + j * ldd, _mm512_shuffle_f32x4(ab_lo, cd_lo, 0x88));
@@ -92,22 +89,17 @@ inline Vf vadd(Vf a, Vf b) { return _mm256_add_ps(a, b); }
 inline Vf vload_masked(Mask m, const float* p) { return _mm256_maskload_ps(p, m); }
 inline void vstore_masked(float* p, Mask m, Vf v) { _mm256_maskstore_ps(p, m, v); }
 
-// dst[j * ldd + i] = src[i * lds + j] for i, j < 8: a tile transposed in registers (pairs, quads, halves)
-inline void transpose_tile(const float* src, int64_t lds, float* dst, int64_t ldd) {
-    __m256 r[8], t[8];
-    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {  // r[i + j], half H: column 4H + j of rows i..i+3
-        const __m256d a = _mm256_castps_pd(t[i]), b = _mm256_castps_pd(t[i + 1]);
-        const __m256d c = _mm256_castps_pd(t[i + 2]), d = _mm256_castps_pd(t[i + 3]);
-        r[i] = _mm256_castpd_ps(_mm256_unpacklo_pd(a, c));
-        r[i + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a, c));
-        r[i + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(b, d));
-        r[i + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(b, d));
-    }
+inline Vf vunpacklo(Vf a, Vf b) { return _mm256_unpacklo_ps(a, b); }
+inline Vf vunpackhi(Vf a, Vf b) { return _mm256_unpackhi_ps(a, b); }
+inline Vf vunpacklo64(Vf a, Vf b) {
+    return _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(a), _mm256_castps_pd(b)));
+}
+inline Vf vunpackhi64(Vf a, Vf b) {
+    return _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(a), _mm256_castps_pd(b)));
+}
+
+// across the two 128-bit halves: r[i + j], half H holds column 4H + j of rows i..i+3
+inline void store_columns(const Vf* r, float* dst, int64_t ldd) {
     for (int j = 0; j < 4; ++j) {
         _mm256_storeu_ps(dst + j * ldd, _mm256_permute2f128_ps(r[j], r[4 + j], 0x20));
         _mm256_storeu_ps(dst + (4 + j) * ldd, _mm256_permute2f128_ps(r[j], r[4 + j], 0x31));
@@ -116,4 +108,29 @@ inline void transpose_tile(const float* src, int64_t lds, float* dst, int64_t ld
 
 }  // namespace
 
+#endif
+
+#ifdef MIXSERVE_FEW_ROW_SIMD
+namespace {
+
+// dst[j * ldd + i] = src[i * lds + j] for i, j < LANES: a tile transposed in registers (pairs, quads, then
+// across 128-bit lanes), 64 shuffles for 256 floats on AVX-512 where element by element costs a load and a
+// store each
+inline void transpose_tile(const float* src, int64_t lds, float* dst, int64_t ldd) {
+    Vf r[LANES], t[LANES];
+    for (int i = 0; i < LANES; ++i) r[i] = vload(src + i * lds);
+    for (int i = 0; i < LANES; i += 2) {  // per 128-bit lane: a0 b0 a1 b1 | a2 b2 a3 b3
+        t[i] = vunpacklo(r[i], r[i + 1]);
+        t[i + 1] = vunpackhi(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < LANES; i += 4) {  // r[i + j], 128-bit lane L: column 4L + j of rows i..i+3
+        r[i] = vunpacklo64(t[i], t[i + 2]);
+        r[i + 1] = vunpackhi64(t[i], t[i + 2]);
+        r[i + 2] = vunpacklo64(t[i + 1], t[i + 3]);
+        r[i + 3] = vunpackhi64(t[i + 1], t[i + 3]);
+    }
+    store_columns(r, dst, ldd);
+}
+
+}  // namespace
 #endif
