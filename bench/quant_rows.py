@@ -5,7 +5,8 @@ Not a test. Run: .venv/bin/python bench/quant_rows.py [--qtype 3] [--repeats 5] 
 default file's), cycled so each call reads its weight from memory as a forward does. Per row count, ms per
 120 calls (best of the repeats, the three alternated): `block` the few-row block kernel (decode steps up to
 quant_linear.FEW_ROWS), `panels` a column panel at a time decoded into cache and multiplied there (prefill
-chunks), `none` the float32 path on the dequantized weight (panels up to their max rows, then torch's GEMM).
+chunks), `bf16` the same panels rounded to bf16 pairs against bf16 inputs (AVX512-BF16 builds only), `none`
+the float32 path on the dequantized weight (panels up to their max rows, then torch's GEMM).
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ def main() -> None:
     paths = {"block": lambda x, w, _d: ql._few_rows(x, w, None),
              "panels": lambda x, w, _d: ql._panels(x, w, None),
              "none": lambda x, _w, d: cpu.linear(x, d, None)}
-    print(f"{'rows':>5} " + " ".join(f"{name + ' ms':>10}" for name in paths) + f" {'none/block':>10} "
-          f"{'none/panels':>11}")
+    if ql.bf16_panels():
+        paths["bf16"] = bf16_panels
+    print(f"{'rows':>5} " + " ".join(f"{name + ' ms':>10}" for name in paths) + " "
+          + " ".join(f"{'none/' + name:>11}" for name in paths if name != "none"))
     g = torch.Generator().manual_seed(0)
     for m in (int(r) for r in args.rows.split(",")):
         xs = [torch.randn(m, k, generator=g) for _, k in SHAPES]
@@ -72,8 +75,13 @@ def main() -> None:
                         fn(x, w, d)
                 best[name] = min(best[name], time.perf_counter() - t0)
         ms = {name: 1e3 * t for name, t in best.items()}
-        print(f"{m:>5} " + " ".join(f"{ms[name]:>10.2f}" for name in paths)
-              + f" {ms['none'] / ms['block']:>10.2f} {ms['none'] / ms['panels']:>11.2f}", flush=True)
+        print(f"{m:>5} " + " ".join(f"{ms[name]:>10.2f}" for name in paths) + " "
+              + " ".join(f"{ms['none'] / ms[name]:>11.2f}" for name in paths if name != "none"), flush=True)
+
+
+def bf16_panels(x: torch.Tensor, w: ql.QuantWeight, _dense: object) -> torch.Tensor:
+    """The bf16 panels on x rounded to bf16 (the rounding counted: a float32 model's linear would pay it)."""
+    return ql._bf16_panels(x.to(torch.bfloat16), w, None)
 
 
 if __name__ == "__main__":

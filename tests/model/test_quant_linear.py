@@ -224,12 +224,35 @@ def test_int8_per_channel_linear_equals_its_dequantized_weight(rows: int, k: int
 @pytest.mark.parametrize("qtype", [8, 3, 12, 14, ql.INT8_ROW], ids=IDS.get)
 def test_bf16_inputs_are_computed_in_float32_and_rounded_once(int8_inputs: bool, qtype: int,
                                                                rows: int) -> None:
+    """Below BF16_PANEL_ROWS (or without AVX512-BF16) the float32 product rounded once to bf16; from it, the
+    bf16 panels' float32 sums (test_bf16_panels_multiply_bf16_pairs_into_float32_sums) rounded once."""
     w = ql.quantize_int8(torch.randn(N, K)) if qtype == ql.INT8_ROW else weight(qtype, seed=qtype)
     deq = ql.dequantize(w)
     g = torch.Generator().manual_seed(rows)
     x, bias = torch.randn(rows, K, generator=g).bfloat16(), torch.randn(N, generator=g).bfloat16()
     got = ql.linear(x, w, bias)
     assert got.dtype == torch.bfloat16
+    if rows >= ql.BF16_PANEL_ROWS and ql.bf16_panels():
+        assert torch.equal(got, ql._bf16_panels(x, w, bias.float()).bfloat16())
+        return
     want = ql.linear(x.float(), w, bias.float())  # the float32 result (checked above), rounded once to bf16
     assert torch.equal(got, want.bfloat16())
     assert_linear_close(want, x.float(), deq, bias.float(), int8_dot(w, rows))
+
+
+@pytest.mark.parametrize("rows", [ql.BF16_PANEL_ROWS, 133])
+@pytest.mark.parametrize(("qtype", "k"), [(3, 576), (8, 608), (14, 768), (ql.INT8_ROW, 302)],
+                         ids=["Q4_1", "Q8_0", "Q6_K", "int8"])
+def test_bf16_panels_multiply_bf16_pairs_into_float32_sums(qtype: int, k: int, rows: int) -> None:
+    """The bf16 panels (AVX512-BF16 builds) are the decoded weight rounded to bf16 (nearest even, as torch)
+    times the bf16 inputs, exact products summed in float32: within float32's bound of x @ bf16(w).T, over
+    several panels and partial strips. A wrong pair order or rounding moves a sum far past that bound."""
+    if not ql.bf16_panels():
+        pytest.skip("these kernels are built without AVX512-BF16 (the bf16 panels' instruction)")
+    n = 150
+    g = torch.Generator().manual_seed(rows + k)
+    w = ql.quantize_int8(torch.randn(n, k, generator=g)) if qtype == ql.INT8_ROW else weight(qtype, n, k, 7)
+    x, bias = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, generator=g)
+    w_bf16 = ql.dequantize(w).bfloat16().float()
+    assert_linear_close(ql._bf16_panels(x, w, bias), x.float(), w_bf16, bias)
+    assert_linear_close(ql._bf16_panels(x, w, None), x.float(), w_bf16, None)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mixserve.model.cpu import few_row_linear
-from mixserve.model.cpu.build import available, load_library
+from mixserve.model.cpu.build import available, kernel_isa, load_library
 
 INT8_ROW = 100  # our int8 per output channel (not a ggml type): a row is k int8 values, its scale beside
 # ggml type id -> (name, elements per block, bytes per block) of the formats the kernels read
@@ -31,6 +31,10 @@ FEW_ROWS = 32  # up to this many rows the block kernel; above, decoded panels (s
 # as llama.cpp does (csrc/quant_dot.h). False (kept): float32 products on the decoded weights, as fast here
 # and exact, so greedy output equals `none`'s (docs/decisions/quantized-weights-in-place.md)
 INT8_INPUTS = False
+# bf16 inputs (dtype bfloat16, the opt-in for speed): from this many rows on, the panels rounded to bf16 pairs
+# and multiplied by the inputs as they are (vdpbf16ps, float32 sums) where the kernels have AVX512-BF16;
+# below, the block kernel's float32 products is faster
+BF16_PANEL_ROWS = 24
 _TILE_ELEMS = 1 << 22  # float32 elements of weight decoded at a time where there are no panels (16 MiB)
 
 
@@ -166,13 +170,16 @@ def embedding(ids: Tensor, w: QuantWeight, dtype: torch.dtype) -> Tensor:
 
 
 def linear(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:
-    """x (m, k) -> x @ w.T + bias in float32 on the decoded weights (cast back to x's dtype)."""
+    """x (m, k) -> x @ w.T + bias on the decoded weights, in x's dtype: float32 products, or bf16 ones for
+    bf16 x of BF16_PANEL_ROWS rows or more where the kernels have them."""
+    if x.dtype == torch.bfloat16 and x.shape[0] >= BF16_PANEL_ROWS and w.k % 2 == 0 and bf16_panels():
+        b = None if bias is None else bias.float().contiguous()
+        return _bf16_panels(_rows_contiguous(x, w.k), w, b).to(torch.bfloat16)
     if x.dtype != torch.float32 or (bias is not None and (bias.dtype != torch.float32
                                                          or not bias.is_contiguous())):
         out = linear(x.float(), w, None if bias is None else bias.float().contiguous())
         return out.to(x.dtype)
-    if x.stride(1) != 1 or x.stride(0) < w.k:
-        x = x.contiguous()
+    x = _rows_contiguous(x, w.k)
     if x.shape[0] <= FEW_ROWS:
         return _few_rows(x, w, bias)
     return _panels(x, w, bias) if few_row_linear.panel_width() else _tiles(x, w, bias)
@@ -207,6 +214,22 @@ def _panels(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:
     (csrc/quant_panels.cpp): the decoded weight never goes to memory."""
     kernel, threads = load_library().mixserve_quant_panel_linear, torch.get_num_threads()
     return _per_segment(x, w, bias, lambda *args: kernel(*args, threads), "panel linear")
+
+
+def _bf16_panels(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:
+    """x @ w.T + bias, the decoded panels rounded to bf16 pairs against bf16 x: float32 sums and out."""
+    kernel, threads = load_library().mixserve_quant_panel_linear_bf16, torch.get_num_threads()
+    return _per_segment(x, w, bias, lambda *args: kernel(*args, threads), "bf16 panel linear")
+
+
+def _rows_contiguous(x: Tensor, k: int) -> Tensor:
+    """x as the kernels read it: unit stride along a row, rows at least k apart."""
+    return x if x.stride(1) == 1 and x.stride(0) >= k else x.contiguous()
+
+
+def bf16_panels() -> bool:
+    """Whether the loaded kernels multiply panels in bf16 pairs (built with AVX512-BF16)."""
+    return "avx512_bf16" in kernel_isa()
 
 
 def _tiles(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:

@@ -11,8 +11,8 @@
 // each step is a pair of k, one vdpbf16ps per vector). bf16 on a CPU with AMX takes tiles instead, on the
 // same panels (few_row_amx.h), at up to 64 rows.
 //
-// Built where the compiler targets AVX-512 or AVX2 with FMA (-march=native); bf16 only with AVX512-BF16.
-// Elsewhere the entry points report a panel width of 0 and the linears stay MKL's / oneDNN's.
+// Built where the compiler targets AVX-512 or AVX2 with FMA (-march=native), bf16 only with AVX512-BF16;
+// elsewhere the entry points report a panel width of 0 and the linears stay MKL's / oneDNN's.
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
@@ -26,8 +26,7 @@
 namespace {
 
 constexpr int PANEL = LANES * VECS;  // output columns per panel
-// A panel row (one k in float32, one pair of k in bf16) is PANEL x 4 bytes either way: 4 cache lines
-// (AVX2: 1).
+// A panel row (one k in float32, one pair of k in bf16) is PANEL x 4 bytes either way: 4 lines (AVX2: 1).
 constexpr int ROW_BYTES = PANEL * 4;
 
 // Where a pass prefetches: k-rows [begin, begin + steps) of the next panel, one every `every` k-rows.
@@ -41,9 +40,10 @@ inline void prefetch_row(const char* row) {
 }
 
 // What a pass does per dtype: the bias as float32 sums, one k step's weight vectors and input broadcast, the
-// multiply-add into float32 sums, and the store of a row's sums.
+// multiply-add into float32 sums, and the store of a row's sums; T the inputs' and panel's type, O the output's.
 struct F32 {
     using T = float;
+    using O = float;
     using W = Vf;
     static Vf bias(Mask m, const float* p) { return vload_masked(m, p); }
     static W weight(const float* panel, int64_t kk, int v) { return vload(panel + kk * PANEL + LANES * v); }
@@ -57,6 +57,7 @@ struct F32 {
 // pairs (exactly, in float32) and adds both to the sums.
 struct BF16 {
     using T = uint16_t;
+    using O = uint16_t;
     using W = __m512bh;
     static __m512 bias(__mmask16 m, const uint16_t* p) {  // 16 bf16 -> float32 (exact)
         const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
@@ -74,6 +75,12 @@ struct BF16 {
     static void store(uint16_t* p, __mmask16 m, __m512 acc) {  // round to nearest even, as torch rounds
         _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(acc));
     }
+};
+// bf16 inputs and panel, float32 bias and output: a quantized weight's panels decoded to bf16 (quant_panels.cpp)
+struct BF16Sums : BF16 {
+    using O = float;
+    static __m512 bias(__mmask16 m, const float* p) { return vload_masked(m, p); }
+    static void store(float* p, __mmask16 m, __m512 acc) { vstore_masked(p, m, acc); }
 };
 #include "few_row_amx.h"
 #endif  // __AVX512BF16__
@@ -101,7 +108,7 @@ constexpr int sum_sets() {
 // steps as `ahead` says.
 template <typename E, int ROWS>
 void panel_pass(const typename E::T* x, int64_t ldx, const typename E::T* panel, int64_t depth,
-                const typename E::T* bias, typename E::T* out, int64_t ldo, int64_t valid, Ahead ahead) {
+                const typename E::O* bias, typename E::O* out, int64_t ldo, int64_t valid, Ahead ahead) {
     constexpr int S = sum_sets<ROWS>();
     Vf acc[S][ROWS][VECS];
     for (int v = 0; v < VECS; ++v) {
@@ -138,7 +145,7 @@ void panel_pass(const typename E::T* x, int64_t ldx, const typename E::T* panel,
 
 template <typename E>
 void pass_rows(int rows, const typename E::T* x, int64_t ldx, const typename E::T* panel, int64_t depth,
-               const typename E::T* bias, typename E::T* out, int64_t ldo, int64_t valid, Ahead ahead) {
+               const typename E::O* bias, typename E::O* out, int64_t ldo, int64_t valid, Ahead ahead) {
     switch (rows) {
         case 1: return panel_pass<E, 1>(x, ldx, panel, depth, bias, out, ldo, valid, ahead);
         case 2: return panel_pass<E, 2>(x, ldx, panel, depth, bias, out, ldo, valid, ahead);
@@ -153,7 +160,7 @@ void pass_rows(int rows, const typename E::T* x, int64_t ldx, const typename E::
 // (32: 6 6 5 5 5 5, not 6 6 6 6 6 2: a pass of few rows is slow), prefetching `next` (the next panel).
 template <typename E>
 void panel_rows(const typename E::T* x, int64_t ldx, int64_t m, const typename E::T* panel, int64_t depth,
-                const typename E::T* bias, typename E::T* out, int64_t ldo, int64_t valid, const char* next) {
+                const typename E::O* bias, typename E::O* out, int64_t ldo, int64_t valid, const char* next) {
     const int64_t passes = (m + MAX_ROWS - 1) / MAX_ROWS;
     for (int64_t j = 0, r0 = 0; r0 < m; r0 += m / passes + (j < m % passes), ++j) {
         const int rows = static_cast<int>(m / passes + (j < m % passes));
@@ -168,9 +175,10 @@ template <typename E>
 void run_panels(const void* xv, int64_t ldx, int64_t m, const void* panels_v, int64_t n, int64_t depth,
                 const void* bias_v, void* out_v, int64_t ldo, int num_threads) {
     using T = typename E::T;
+    using O = typename E::O;
     const T *x = static_cast<const T*>(xv), *panels = static_cast<const T*>(panels_v);
-    const T* bias = static_cast<const T*>(bias_v);
-    T* out = static_cast<T*>(out_v);
+    const O* bias = static_cast<const O*>(bias_v);
+    O* out = static_cast<O*>(out_v);
     const int64_t count = (n + PANEL - 1) / PANEL, stride = depth * ROW_BYTES / sizeof(T);
 #pragma omp parallel num_threads(num_threads) if (count >= 2 * num_threads)
     {
@@ -187,12 +195,19 @@ void run_panels(const void* xv, int64_t ldx, int64_t m, const void* panels_v, in
 
 }  // namespace
 
-// One float32 panel against all m rows, on the calling thread (quant_panels.cpp decodes a quantized weight's
-// panel and multiplies it here, while it is in cache); `next`: what to prefetch meanwhile.
+// One float32 panel against all m rows on the calling thread (quant_panels.cpp decodes a quantized weight's
+// panel and multiplies it here, in cache); `next`: what to prefetch meanwhile. bf16: x, panel in pairs, k even.
 void mixserve_few_row_panel_f32(const float* x, int64_t ldx, int64_t m, const float* panel, int64_t k,
                                 const float* bias, float* out, int64_t ldo, int64_t valid, const char* next) {
     panel_rows<F32>(x, ldx, m, panel, k, bias, out, ldo, valid, next);
 }
+
+#ifdef __AVX512BF16__
+void mixserve_few_row_panel_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* panel, int64_t k,
+                                 const float* bias, float* out, int64_t ldo, int64_t valid, const char* next) {
+    panel_rows<BF16Sums>(x, ldx, m, panel, k / 2, bias, out, ldo, valid, next);
+}
+#endif
 
 #endif  // MIXSERVE_FEW_ROW_SIMD
 

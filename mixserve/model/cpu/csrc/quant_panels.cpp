@@ -6,7 +6,8 @@
 // strip of K_STRIP elements at a time into a small row-major buffer (in L1) and transposed from there into
 // the panel a tile at a time in registers (few_row_simd.h): element by element the transposition cost ~3x the
 // decode (docs/decisions/quantized-weights-in-place.md). The products are float32 on the exact decoded
-// weights, as the few-row block kernel's.
+// weights, as the few-row block kernel's; or, where the CPU has AVX512-BF16 and the caller asks, the panel is
+// rounded to bf16 pairs and multiplied by bf16 inputs through vdpbf16ps (half the instructions, float32 sums).
 #include <omp.h>
 #include <stdint.h>
 
@@ -23,6 +24,10 @@ using mixserve::decode_row;
 #ifdef MIXSERVE_FEW_ROW_SIMD
 void mixserve_few_row_panel_f32(const float* x, int64_t ldx, int64_t m, const float* panel, int64_t k,
                                 const float* bias, float* out, int64_t ldo, int64_t valid, const char* next);
+#ifdef __AVX512BF16__
+void mixserve_few_row_panel_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* panel, int64_t k,
+                                 const float* bias, float* out, int64_t ldo, int64_t valid, const char* next);
+#endif
 
 namespace {
 
@@ -52,25 +57,35 @@ void decode_panel(int type, const uint8_t* w, int64_t row_bytes, int64_t k, cons
     }
 }
 
-}  // namespace
+#ifdef __AVX512BF16__
+// A decoded panel (k x WIDTH float32, k-major) as bf16 pairs, rounded to nearest even:
+// pairs[(kk * WIDTH + c) * 2 + e] = panel[(2 kk + e) * WIDTH + c], the layout the bf16 panel pass reads.
+void to_pairs(const float* panel, int64_t k, uint16_t* pairs) {
+    for (int64_t kk = 0; kk < k / 2; ++kk)
+        for (int64_t c = 0; c < WIDTH; c += 16) {
+            const float* a = panel + 2 * kk * WIDTH + c;
+            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a)));
+            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + WIDTH)));
+            _mm512_storeu_si512(pairs + (kk * WIDTH + c) * 2, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+}
 #endif
 
-extern "C" {
-
-#ifdef MIXSERVE_FEW_ROW_SIMD
 // out[r, j] = sum_i x[r, i] w[j, i] (+ bias[j]) for r < m, j < n, w's rows `row_bytes` bytes of blocks of
-// `type` (quant_linear.cpp's layout); x, out float32 with row strides ldx, ldo. 0, or 1 for a type/k it
-// cannot read.
-int mixserve_quant_panel_linear(int type, const float* x, int64_t ldx, int64_t m, const void* data,
-                                int64_t row_bytes, int64_t n, int64_t k, const float* scales, const float* bias,
-                                float* out, int64_t ldo, int num_threads) {
+// `type` (quant_linear.cpp's layout); x float32, or bf16 where `bf16` (k even), out float32, row strides ldx,
+// ldo. 0, or 1 for a type/k it cannot read.
+int panel_linear(int type, const void* x, int64_t ldx, int64_t m, const void* data, int64_t row_bytes, int64_t n,
+                 int64_t k, const float* scales, const float* bias, float* out, int64_t ldo, int num_threads,
+                 bool bf16) {
     const int64_t be = block_elems(type);
     if (be == 0 || k <= 0 || k % be != 0 || (type == mixserve::INT8_ROW && scales == nullptr)) return 1;
+    if (bf16 && k % 2 != 0) return 1;
     const uint8_t* w = static_cast<const uint8_t*>(data);
     const int64_t count = (n + WIDTH - 1) / WIDTH;
 #pragma omp parallel num_threads(num_threads) if (count >= 2 * num_threads)
     {
         std::vector<float> strip(WIDTH * LD), panel(WIDTH * k);
+        std::vector<uint16_t> pairs(bf16 ? WIDTH * k : 0);
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t first = count * t / nt, last = count * (t + 1) / nt;  // contiguous: one stream a thread
         for (int64_t p = first; p < last; ++p) {
@@ -81,17 +96,47 @@ int mixserve_quant_panel_linear(int type, const float* x, int64_t ldx, int64_t m
                 for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
             }
             decode_panel(type, w, row_bytes, k, scales, j0, valid, strip.data(), panel.data());
-            mixserve_few_row_panel_f32(x, ldx, m, panel.data(), k, bias ? bias + j0 : nullptr, out + j0, ldo,
+            const float* b = bias ? bias + j0 : nullptr;
+#ifdef __AVX512BF16__
+            if (bf16) {
+                to_pairs(panel.data(), k, pairs.data());
+                mixserve_few_row_panel_bf16(static_cast<const uint16_t*>(x), ldx, m, pairs.data(), k, b, out + j0,
+                                            ldo, valid, reinterpret_cast<const char*>(pairs.data()));
+                continue;
+            }
+#endif
+            mixserve_few_row_panel_f32(static_cast<const float*>(x), ldx, m, panel.data(), k, b, out + j0, ldo,
                                        valid, reinterpret_cast<const char*>(panel.data()));
         }
     }
     return 0;
 }
-#else
-int mixserve_quant_panel_linear(int, const float*, int64_t, int64_t, const void*, int64_t, int64_t, int64_t,
-                                const float*, const float*, float*, int64_t, int) {
-    return 2;
-}
+
+}  // namespace
 #endif
+
+extern "C" {
+
+// panel_linear on float32 x. 2 where there are no panels (neither AVX-512 nor AVX2 with FMA).
+int mixserve_quant_panel_linear(int type, const float* x, int64_t ldx, int64_t m, const void* data,
+                                int64_t row_bytes, int64_t n, int64_t k, const float* scales, const float* bias,
+                                float* out, int64_t ldo, int num_threads) {
+#ifdef MIXSERVE_FEW_ROW_SIMD
+    return panel_linear(type, x, ldx, m, data, row_bytes, n, k, scales, bias, out, ldo, num_threads, false);
+#else
+    return 2;
+#endif
+}
+
+// panel_linear on bf16 x (torch's bfloat16 bits), the decoded panels rounded to bf16. 2 without AVX512-BF16.
+int mixserve_quant_panel_linear_bf16(int type, const uint16_t* x, int64_t ldx, int64_t m, const void* data,
+                                     int64_t row_bytes, int64_t n, int64_t k, const float* scales,
+                                     const float* bias, float* out, int64_t ldo, int num_threads) {
+#ifdef __AVX512BF16__
+    return panel_linear(type, x, ldx, m, data, row_bytes, n, k, scales, bias, out, ldo, num_threads, true);
+#else
+    return 2;
+#endif
+}
 
 }  // extern "C"
