@@ -6,7 +6,8 @@ default file's), cycled so each call reads its weight from memory as a forward d
 120 calls (best of the repeats, the three alternated): `block` the few-row block kernel (decode steps up to
 quant_linear.FEW_ROWS), `panels` a column panel at a time decoded into cache and multiplied there (prefill
 chunks), `bf16` the same panels rounded to bf16 pairs against bf16 inputs (AVX512-BF16 builds only), `none`
-the float32 path on the dequantized weight (panels up to their max rows, then torch's GEMM).
+the float32 path on the dequantized weight (panels up to their max rows, then torch's GEMM), `none-bf16` the
+same in bf16 (dtype bfloat16 with quantization none: the yardstick of `bf16`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from mixserve.model.cpu import quant_linear as ql  # noqa: E402
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o_proj, gate_up, down (n, k)
 LAYERS = 30
+# time ratios printed: a yardstick's over a quantized path's (> 1: the quantized path is faster)
+RATIOS = (("none", "block"), ("none", "panels"), ("none", "bf16"), ("none-bf16", "bf16"))
 HALF_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
 
 
@@ -58,9 +61,13 @@ def main() -> None:
              "panels": lambda x, w, _d: ql._panels(x, w, None),
              "none": lambda x, _w, d: cpu.linear(x, d, None)}
     if ql.bf16_panels():
+        cpu16 = ops.cpu_ops(torch.bfloat16)
+        dense16 = {id(w): cpu16.pack(ql.dequantize(w).bfloat16()) for layer in quant for w in layer}
         paths["bf16"] = bf16_panels
+        paths["none-bf16"] = lambda x, w, _d: cpu16.linear(x.bfloat16(), dense16[id(w)], None)
+    ratios = [(a, b) for a, b in RATIOS if a in paths and b in paths]
     print(f"{'rows':>5} " + " ".join(f"{name + ' ms':>10}" for name in paths) + " "
-          + " ".join(f"{'none/' + name:>11}" for name in paths if name != "none"))
+          + " ".join(f"{a + '/' + b:>15}" for a, b in ratios))
     g = torch.Generator().manual_seed(0)
     for m in (int(r) for r in args.rows.split(",")):
         xs = [torch.randn(m, k, generator=g) for _, k in SHAPES]
@@ -76,7 +83,8 @@ def main() -> None:
                 best[name] = min(best[name], time.perf_counter() - t0)
         ms = {name: 1e3 * t for name, t in best.items()}
         print(f"{m:>5} " + " ".join(f"{ms[name]:>10.2f}" for name in paths) + " "
-              + " ".join(f"{ms['none'] / ms[name]:>11.2f}" for name in paths if name != "none"), flush=True)
+              + " ".join(f"{ms[a] / ms[b]:>15.2f}" for a, b in ratios), flush=True)
+
 
 
 def bf16_panels(x: torch.Tensor, w: ql.QuantWeight, _dense: object) -> torch.Tensor:

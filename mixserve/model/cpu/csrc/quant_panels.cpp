@@ -58,16 +58,39 @@ void decode_panel(int type, const uint8_t* w, int64_t row_bytes, int64_t k, cons
 }
 
 #ifdef __AVX512BF16__
-// A decoded panel (k x WIDTH float32, k-major) as bf16 pairs, rounded to nearest even:
-// pairs[(kk * WIDTH + c) * 2 + e] = panel[(2 kk + e) * WIDTH + c], the layout the bf16 panel pass reads.
-void to_pairs(const float* panel, int64_t k, uint16_t* pairs) {
-    for (int64_t kk = 0; kk < k / 2; ++kk)
-        for (int64_t c = 0; c < WIDTH; c += 16) {
-            const float* a = panel + 2 * kk * WIDTH + c;
-            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a)));
-            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + WIDTH)));
-            _mm512_storeu_si512(pairs + (kk * WIDTH + c) * 2, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+constexpr int64_t LD_PAIRS = K_STRIP / 2 + 16;  // a strip row of pairs (32 bits each), padded as LD
+
+// decode_panel in bf16 pairs, rounded to nearest even: pairs[(kk * WIDTH + c) * 2 + e] = w[j0 + c, 2 kk + e]
+// (k even). A pair is 32 bits, so a strip of rows of pairs transposes as floats do: half the tiles of
+// float32, and the decoded floats never leave L1 (a strip row is rounded as it is decoded).
+void decode_pairs(int type, const uint8_t* w, int64_t row_bytes, int64_t k, const float* scales, int64_t j0,
+                  int64_t valid, float* strip, uint16_t* pairs) {
+    const int64_t be = block_elems(type), bb = block_bytes(type);
+    alignas(64) float row[K_STRIP];
+    for (int64_t k0 = 0; k0 < k; k0 += K_STRIP) {
+        const int64_t kn = std::min<int64_t>(K_STRIP, k - k0), kp = kn / 2;
+        for (int64_t c = 0; c < WIDTH; ++c) {
+            uint16_t* dst = reinterpret_cast<uint16_t*>(strip + c * LD_PAIRS);
+            const int64_t j = j0 + c;
+            if (c >= valid) {
+                std::fill_n(dst, kn, uint16_t{0});
+                continue;
+            }
+            decode_row(type, w + j * row_bytes + k0 / be * bb, kn, scales ? scales[j] : 1.f, row);
+            for (int64_t i = 0; i < kn; i += 16) {
+                const __mmask16 m = lanes(kn - i, 0);
+                const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, row + i));
+                _mm256_mask_storeu_epi16(dst + i, m, (__m256i)h);
+            }
         }
+        float* panel = reinterpret_cast<float*>(pairs) + k0 / 2 * WIDTH;  // 32-bit pairs, k-pair-major
+        int64_t kk = 0;
+        for (; kk + LANES <= kp; kk += LANES)
+            for (int64_t v = 0; v < VECS; ++v)
+                transpose_tile(strip + v * LANES * LD_PAIRS + kk, LD_PAIRS, panel + kk * WIDTH + v * LANES, WIDTH);
+        for (; kk < kp; ++kk)  // an int8 row's tail
+            for (int64_t c = 0; c < WIDTH; ++c) panel[kk * WIDTH + c] = strip[c * LD_PAIRS + kk];
+    }
 }
 #endif
 
@@ -84,7 +107,7 @@ int panel_linear(int type, const void* x, int64_t ldx, int64_t m, const void* da
     const int64_t count = (n + WIDTH - 1) / WIDTH;
 #pragma omp parallel num_threads(num_threads) if (count >= 2 * num_threads)
     {
-        std::vector<float> strip(WIDTH * LD), panel(WIDTH * k);
+        std::vector<float> strip(WIDTH * LD), panel(bf16 ? 0 : WIDTH * k);
         std::vector<uint16_t> pairs(bf16 ? WIDTH * k : 0);
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t first = count * t / nt, last = count * (t + 1) / nt;  // contiguous: one stream a thread
@@ -95,16 +118,16 @@ int panel_linear(int type, const void* x, int64_t ldx, int64_t m, const void* da
                 const int64_t bytes = std::min<int64_t>(WIDTH, n - j0 - WIDTH) * row_bytes;
                 for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
             }
-            decode_panel(type, w, row_bytes, k, scales, j0, valid, strip.data(), panel.data());
             const float* b = bias ? bias + j0 : nullptr;
 #ifdef __AVX512BF16__
             if (bf16) {
-                to_pairs(panel.data(), k, pairs.data());
+                decode_pairs(type, w, row_bytes, k, scales, j0, valid, strip.data(), pairs.data());
                 mixserve_few_row_panel_bf16(static_cast<const uint16_t*>(x), ldx, m, pairs.data(), k, b, out + j0,
                                             ldo, valid, reinterpret_cast<const char*>(pairs.data()));
                 continue;
             }
 #endif
+            decode_panel(type, w, row_bytes, k, scales, j0, valid, strip.data(), panel.data());
             mixserve_few_row_panel_f32(static_cast<const float*>(x), ldx, m, panel.data(), k, b, out + j0, ldo,
                                        valid, reinterpret_cast<const char*>(panel.data()));
         }
