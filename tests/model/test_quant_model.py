@@ -119,6 +119,23 @@ def test_logits_equal_none_with_float_products(default_llms, float_products: Non
     assert max_rel(got, want) < SAME_WEIGHTS_TOL, max_rel(got, want)
 
 
+def test_bf16_dtype_takes_bf16_panels_and_stays_as_close_as_bf16(default_llms,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """dtype bfloat16 (the opt-in for speed): a prefill's quantized linears multiply bf16 panels where the
+    kernels have AVX512-BF16. Its logits measured 0.022-0.037 of the largest |logit| from float32 `none`,
+    as far as `none` in bf16 is (0.026-0.039); a wrong panel would be garbage."""
+    llm = LLM(None, quantization="auto", **{**OPTIONS, "dtype": "bfloat16"})
+    calls: list[int] = []
+    bf16_panels = ql._bf16_panels
+    monkeypatch.setattr(ql, "_bf16_panels", lambda *args: calls.append(1) or bf16_panels(*args))
+    prompt = chat(llm, TEXTS[0])
+    assert len(prompt) >= ql.BF16_PANEL_ROWS
+    tokens = [o.token_ids for o in default_llms["none"].generate([prompt], GREEDY, use_tqdm=False)][0][:6]
+    got = teacher_forced(llm.engine.runner, prompt, tokens).float()
+    assert len(calls) == (4 * llm.engine.runner.model.config.num_layers if ql.bf16_panels() else 0)
+    assert max_rel(got, teacher_forced(default_llms["none"].engine.runner, prompt, tokens)) < 0.06
+
+
 @pytest.mark.skipif(not hasattr(ql, "INT8_INPUTS"), reason="no integer-dot path")
 def test_logits_with_int8_inputs_stay_close(default_llms, monkeypatch: pytest.MonkeyPatch) -> None:
     # Inputs rounded to int8 per 32 (step amax / 127) in every few-row Q4_1 / Q8_0 product: measured up to

@@ -4,7 +4,8 @@ A `QuantWeight` is an (n, k) weight as rows of blocks: GGUF's formats (Q8_0, Q4_
 a view of the file's memory map where nothing had to move) or int8 per output channel with float32 scales.
 Few rows (decode steps) run csrc/quant_linear.cpp on the blocks; more rows (prefill chunks) decode a column
 panel of the weight at a time to float32 in cache and multiply it there (csrc/quant_panels.cpp): there the
-compute, not the bytes, is the cost.
+compute, not the bytes, is the cost, so a bf16 model (dtype bfloat16) decodes them to bf16 pairs instead and
+multiplies with vdpbf16ps, half the instructions, where the CPU has AVX512-BF16.
 docs/decisions/quantized-weights-in-place.md has the measurements behind both and the row threshold.
 """
 
