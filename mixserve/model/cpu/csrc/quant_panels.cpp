@@ -35,17 +35,29 @@ constexpr int64_t WIDTH = LANES * VECS;
 // a strip holds whole blocks of every format (K-quants: 256); its rows padded by a line so the transposition's
 // LANES reads of one tile fall in different L1 sets
 constexpr int64_t K_STRIP = 256, LD = K_STRIP + 16;
+// rows ahead whose strip bytes are prefetched into L1 while a row decodes: the decode waited on its loads
+constexpr int64_t AHEAD = 8;
+
+// The strip [k0, k0 + kn) of weight row j decoded into y (float32), row j + AHEAD's strip prefetched when it
+// is below `end`.
+inline void decode_strip(int type, const uint8_t* w, int64_t row_bytes, const float* scales, int64_t j,
+                         int64_t end, int64_t k0, int64_t kn, float* y) {
+    const int64_t be = block_elems(type), bb = block_bytes(type), at = k0 / be * bb;
+    if (j + AHEAD < end) {
+        const char* later = reinterpret_cast<const char*>(w + (j + AHEAD) * row_bytes + at);
+        for (int64_t off = 0; off < kn / be * bb + 63; off += 64) _mm_prefetch(later + off, _MM_HINT_T0);
+    }
+    decode_row(type, w + j * row_bytes + at, kn, scales ? scales[j] : 1.f, y);
+}
 
 // Rows [j0, j0 + valid) of w (zeros up to WIDTH) into panel[kk * WIDTH + c] = w[j0 + c, kk].
 void decode_panel(int type, const uint8_t* w, int64_t row_bytes, int64_t k, const float* scales, int64_t j0,
                   int64_t valid, float* strip, float* panel) {
-    const int64_t be = block_elems(type), bb = block_bytes(type);
     for (int64_t k0 = 0; k0 < k; k0 += K_STRIP) {
         const int64_t kn = std::min<int64_t>(K_STRIP, k - k0);  // whole blocks: k0 and k are multiples of be
         for (int64_t c = 0; c < WIDTH; ++c) {
             float* dst = strip + c * LD;
-            const int64_t j = j0 + c;
-            if (c < valid) decode_row(type, w + j * row_bytes + k0 / be * bb, kn, scales ? scales[j] : 1.f, dst);
+            if (c < valid) decode_strip(type, w, row_bytes, scales, j0 + c, j0 + valid, k0, kn, dst);
             else std::fill_n(dst, kn, 0.f);
         }
         int64_t kk = 0;
@@ -65,18 +77,16 @@ constexpr int64_t LD_PAIRS = K_STRIP / 2 + 16;  // a strip row of pairs (32 bits
 // float32, and the decoded floats never leave L1 (a strip row is rounded as it is decoded).
 void decode_pairs(int type, const uint8_t* w, int64_t row_bytes, int64_t k, const float* scales, int64_t j0,
                   int64_t valid, float* strip, uint16_t* pairs) {
-    const int64_t be = block_elems(type), bb = block_bytes(type);
     alignas(64) float row[K_STRIP];
     for (int64_t k0 = 0; k0 < k; k0 += K_STRIP) {
         const int64_t kn = std::min<int64_t>(K_STRIP, k - k0), kp = kn / 2;
         for (int64_t c = 0; c < WIDTH; ++c) {
             uint16_t* dst = reinterpret_cast<uint16_t*>(strip + c * LD_PAIRS);
-            const int64_t j = j0 + c;
             if (c >= valid) {
                 std::fill_n(dst, kn, uint16_t{0});
                 continue;
             }
-            decode_row(type, w + j * row_bytes + k0 / be * bb, kn, scales ? scales[j] : 1.f, row);
+            decode_strip(type, w, row_bytes, scales, j0 + c, j0 + valid, k0, kn, row);
             for (int64_t i = 0; i < kn; i += 16) {
                 const __mmask16 m = lanes(kn - i, 0);
                 const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, row + i));
