@@ -5,6 +5,8 @@ int8 per output channel and bf16 inputs. Each test runs on the native build and 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import gguf
 import numpy as np
 import pytest
@@ -77,6 +79,15 @@ def assert_linear_close(got: torch.Tensor, x: torch.Tensor, deq: torch.Tensor, b
     err = ((got.double() - ref).abs() - ties.double() @ deq.double().abs().T).clamp_min(0) / scale
     assert got.dtype == torch.float32 and got.shape == ref.shape
     assert float(err.max()) <= (x.shape[1] + 2) * U, float(err.max())
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """Two threads for the panel kernels (a split of the panels between them is what is tested), restored."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(saved)
 
 
 @pytest.fixture(params=[False, True], ids=["float-products", "int8-inputs"])
@@ -158,14 +169,16 @@ def test_cat_of_formats_equals_the_dequantized_concatenation(int8_inputs: bool, 
         ql.cat([weight(8, 2, k=64), weight(8, 2, k=96)])
 
 
+@pytest.mark.parametrize("n", [150, 300])
 @pytest.mark.parametrize("rows", [ql.FEW_ROWS + 1, 133])
 @pytest.mark.parametrize(("qtype", "k"), [(3, 576), (8, 608), (14, 768), (ql.INT8_ROW, 301)],
                          ids=["Q4_1", "Q8_0", "Q6_K", "int8"])
-def test_panel_product_covers_every_panel_and_strip(qtype: int, k: int, rows: int) -> None:
-    """Past FEW_ROWS a weight of several column panels, the last one partial (n = 150: 64-wide panels on
-    AVX-512, 16 on AVX2), and a k that ends in a partial strip of 256 (int8: and in less than a vector):
-    each panel and strip decoded to its place and multiplied by every row."""
-    n = 150
+def test_panel_product_covers_every_panel_and_strip(two_threads: None, qtype: int, k: int, rows: int,
+                                                    n: int) -> None:
+    """Past FEW_ROWS a weight of several column panels, the last one partial (64-wide panels on AVX-512, 16
+    on AVX2; n = 300 makes an odd count the threads split, one panel's rows shared), and a k that ends in a
+    partial strip of 256 (int8: and in less than a vector): each panel and strip decoded to its place and
+    multiplied by every row."""
     g = torch.Generator().manual_seed(rows + k)
     w = ql.quantize_int8(torch.randn(n, k, generator=g)) if qtype == ql.INT8_ROW else weight(qtype, n, k, 7)
     x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
@@ -240,16 +253,17 @@ def test_bf16_inputs_are_computed_in_float32_and_rounded_once(int8_inputs: bool,
     assert_linear_close(want, x.float(), deq, bias.float(), int8_dot(w, rows))
 
 
+@pytest.mark.parametrize("n", [150, 300])
 @pytest.mark.parametrize("rows", [ql.BF16_PANEL_ROWS, 133])
 @pytest.mark.parametrize(("qtype", "k"), [(3, 576), (8, 608), (14, 768), (ql.INT8_ROW, 302)],
                          ids=["Q4_1", "Q8_0", "Q6_K", "int8"])
-def test_bf16_panels_multiply_bf16_pairs_into_float32_sums(qtype: int, k: int, rows: int) -> None:
+def test_bf16_panels_multiply_bf16_pairs_into_float32_sums(two_threads: None, qtype: int, k: int, rows: int,
+                                                           n: int) -> None:
     """The bf16 panels (AVX512-BF16 builds) are the decoded weight rounded to bf16 (nearest even, as torch)
     times the bf16 inputs, exact products summed in float32: within float32's bound of x @ bf16(w).T, over
     several panels and partial strips. A wrong pair order or rounding moves a sum far past that bound."""
     if not ql.bf16_panels():
         pytest.skip("these kernels are built without AVX512-BF16 (the bf16 panels' instruction)")
-    n = 150
     g = torch.Generator().manual_seed(rows + k)
     w = ql.quantize_int8(torch.randn(n, k, generator=g)) if qtype == ql.INT8_ROW else weight(qtype, n, k, 7)
     x, bias = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, generator=g)
