@@ -3,11 +3,12 @@
 Not a test. Run: .venv/bin/python bench/quant_rows.py [--qtype 3] [--repeats 5] [--rows 1,8,16,32,64,256]
 30 layers of the default model's four linear shapes as random blocks of one GGUF format (default Q4_1, the
 default file's), cycled so each call reads its weight from memory as a forward does. Per row count, ms per
-120 calls (best of the repeats, the three alternated): `block` the few-row block kernel (decode steps up to
-quant_linear.FEW_ROWS), `panels` a column panel at a time decoded into cache and multiplied there (prefill
-chunks), `bf16` the same panels rounded to bf16 pairs against bf16 inputs (AVX512-BF16 builds only), `none`
-the float32 path on the dequantized weight (panels up to their max rows, then torch's GEMM), `none-bf16` the
-same in bf16 (dtype bfloat16 with quantization none: the yardstick of `bf16`).
+120 calls (best of the repeats, the paths alternated): `block` the few-row entry (decode steps up to
+quant_linear.FEW_ROWS: the block kernel, from csrc/quant_linear.cpp's PANEL_ROWS the panels), `panels` a
+column panel at a time decoded into cache and multiplied there (prefill chunks), `bf16` the same panels
+rounded to bf16 pairs against bf16 inputs (AVX512-BF16 builds only), `none` the float32 path on the
+dequantized weight (panels up to their max rows, then torch's GEMM), `none-bf16` the same in bf16 (dtype
+bfloat16 with quantization none: the yardstick of `bf16`).
 """
 
 from __future__ import annotations

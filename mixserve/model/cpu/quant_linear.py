@@ -35,7 +35,7 @@ INT8_INPUTS = False
 # bf16 inputs (dtype bfloat16, the opt-in for speed): from this many rows on, the panels rounded to bf16 pairs
 # and multiplied by the inputs as they are (vdpbf16ps, float32 sums) where the kernels have AVX512-BF16;
 # below, the block kernel's float32 products is faster
-BF16_PANEL_ROWS = 24
+BF16_PANEL_ROWS = 16
 _TILE_ELEMS = 1 << 22  # float32 elements of weight decoded at a time where there are no panels (16 MiB)
 
 

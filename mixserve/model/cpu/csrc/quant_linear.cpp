@@ -24,9 +24,21 @@ using mixserve::block_bytes;
 using mixserve::block_elems;
 using mixserve::decode_row;
 
+extern "C" int mixserve_quant_panel_linear(int type, const float* x, int64_t ldx, int64_t m, const void* data,
+                                           int64_t row_bytes, int64_t n, int64_t k, const float* scales,
+                                           const float* bias, float* out, int64_t ldo, int num_threads);
+
 namespace {
 
 constexpr int COLS = 4;  // weight rows decoded and dotted together: 4 chains of sums even for one input row
+// From this many rows a product takes the decoded panels (quant_panels.cpp) instead: the block kernel decodes
+// its blocks again for every pass of a few rows. Where the two crossed on 30 layers of Q4_1 and Q8_0
+// (bench/quant_rows.py): AVX-512 at 28 rows, AVX2 (16 registers, 2-row passes) at 6.
+#if defined(__AVX512F__)
+constexpr int64_t PANEL_ROWS = 28;
+#else
+constexpr int64_t PANEL_ROWS = 6;
+#endif
 constexpr int PREFETCH_GROUPS = 2;  // how many groups of COLS rows ahead the float path prefetches
 
 #ifdef MIXSERVE_FEW_ROW_SIMD
@@ -183,7 +195,7 @@ extern "C" {
 // out[r, j] = sum_i x[r, i] w[j, i] (+ bias[j]) for r < m, j < n; w's row j is `row_bytes` bytes of blocks
 // from data + j * row_bytes. x, out float32 with row strides ldx, ldo. 0, or 1 for a type/k it cannot read.
 // int8_inputs: for Q4_0 / Q4_1 / Q8_0, the integer-dot product on the inputs rounded to int8 (quant_dot.h);
-// else (and for every other format) float32 products on the decoded weights.
+// else (and for every other format) float32 products on the decoded weights, from PANEL_ROWS rows the panels'.
 int mixserve_quant_linear(int type, const float* x, int64_t ldx, int64_t m, const void* data, int64_t row_bytes,
                           int64_t n, int64_t k, const float* scales, const float* bias, float* out, int64_t ldo,
                           int int8_inputs, int num_threads) {
@@ -194,6 +206,11 @@ int mixserve_quant_linear(int type, const float* x, int64_t ldx, int64_t m, cons
         linear_int8_dot(type, x, ldx, m, w, row_bytes, n, k, bias, out, ldo, num_threads);
         return 0;
     }
+#endif
+#ifdef MIXSERVE_FEW_ROW_SIMD
+    if (m >= PANEL_ROWS)
+        return mixserve_quant_panel_linear(type, x, ldx, m, data, row_bytes, n, k, scales, bias, out, ldo,
+                                           num_threads);
 #endif
 #ifdef MIXSERVE_QUANT_FUSED
     if (fused_type(type)) {
