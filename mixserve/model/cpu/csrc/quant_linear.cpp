@@ -33,7 +33,7 @@ namespace {
 constexpr int COLS = 4;  // weight rows decoded and dotted together: 4 chains of sums even for one input row
 // From this many rows a product takes the decoded panels (quant_panels.cpp) instead: the block kernel decodes
 // its blocks again for every pass of a few rows. Where the two crossed on 30 layers of Q4_1 and Q8_0
-// (bench/quant_rows.py): AVX-512 at 28 rows, AVX2 (16 registers, 2-row passes) at 6.
+// (bench/quant_rows.py): AVX-512 (8-row passes) at 28 rows, AVX2 (2-row passes in 16 registers) at 6.
 #if defined(__AVX512F__)
 constexpr int64_t PANEL_ROWS = 28;
 #else
