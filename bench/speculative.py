@@ -1,14 +1,14 @@
 """Does n-gram speculation (`[engine] speculative = "ngram"`) pay on this CPU, and beside the peers'?
 
-Not a test. Run: .venv/bin/python bench/speculative.py [--systems mixserve,llamacpp,vllm] [--rounds 2]
-[--out bench/results/speculative.json]. Two workloads of token-id prompts, the same ids to every server:
-copy (16 chat prompts asking to copy a piece of the standard library's own Python source: the answer
+Not a test. Run: .venv/bin/python bench/speculative.py [--systems mixserve,llamacpp,vllm] [--rounds 2] [--out
+bench/results/speculative.json] [--dtype bfloat16]. Two workloads of token-id prompts, the same ids to every
+server: copy (16 chat prompts asking to copy a piece of the standard library's own Python source: the answer
 repeats the prompt) and W (bench/offline_run.py's random-token prompts, 64 tokens each, EOS ignored: nothing
-to copy). Each is sent single stream (the first 8 prompts one after another) and at 16 streams (every
-prompt, 16 in flight), greedy, through /v1/completions. Per system and setting (speculation off, then on):
-output tok/s over the run's wall time, and the drafts accepted per drafted token where the server reports
-them (/metrics, llama-server's timings). mixserve's two settings alternate over --rounds (a server per
-setting and round); the peers run once per setting after ours. Servers: `mixserve serve`, llama-server
+to copy). Each is sent single stream (the first 8 prompts one after another) and at 16 streams (every prompt,
+16 in flight), greedy, through /v1/completions. Per system and setting (speculation off, then on): output
+tok/s over the run's wall time, and the drafts accepted per drafted token where the server reports them
+(/metrics, llama-server's timings). mixserve's two settings alternate over --rounds (a server per setting and
+round); the peers run once per setting after ours. Servers: `mixserve serve`, llama-server
 (../shared/peers/llamacpp_serve.sh, --spec-type ngram-simple), vLLM-CPU (vllm_serve.sh, method "ngram").
 Prints the CPU's flags the kernels depend on.
 """
@@ -112,10 +112,11 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float = 600) -> Non
     raise RuntimeError(f"{base} not ready after {timeout_s} s")
 
 
-def server_command(system: str, spec: bool, port: int) -> list[str]:
+def server_command(system: str, spec: bool, port: int, dtype: str = "auto") -> list[str]:
     if system == "mixserve":
         return [str(ROOT / ".venv/bin/mixserve"), "serve", "--port", str(port), "--max-model-len", "2048",
-                "--speculative", "ngram" if spec else "", "--num-speculative-tokens", str(SPEC_TOKENS)]
+                "--speculative", "ngram" if spec else "", "--num-speculative-tokens", str(SPEC_TOKENS),
+                "--dtype", dtype]
     if system == "llamacpp":
         extra = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",
                  "--spec-ngram-simple-size-m", str(SPEC_TOKENS)] if spec else []
@@ -129,10 +130,10 @@ def server_command(system: str, spec: bool, port: int) -> list[str]:
     raise ValueError(f"unknown system {system!r}")
 
 
-def measure(system: str, spec: bool, port: int, loads: dict[str, tuple]) -> dict:
+def measure(system: str, spec: bool, port: int, loads: dict[str, tuple], dtype: str) -> dict:
     """Start the server, warm it, run every load, stop it; the loads' figures."""
     base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(server_command(system, spec, port), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(server_command(system, spec, port, dtype), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_ready(base, proc)
@@ -162,6 +163,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="alternations of mixserve's off and ngram")
     ap.add_argument("--port", type=int, default=8031)
     ap.add_argument("--out", default=None, help="write the JSON report here")
+    ap.add_argument("--dtype", default="auto", help="mixserve's --dtype (bfloat16: the opt-in for speed)")
     args = ap.parse_args()
     from mixserve.model.loader import default_model_path
     from mixserve.model.tokenizer import load_tokenizer
@@ -179,7 +181,7 @@ def main() -> None:
             for spec in ((False, True) if r % 2 == 0 else (True, False)):
                 key = f"{system} {'ngram' if spec else 'off'}"
                 try:
-                    result = measure(system, spec, args.port, loads)
+                    result = measure(system, spec, args.port, loads, args.dtype)
                 except (RuntimeError, OSError) as e:  # a peer that cannot serve this setting
                     print(f"  {key}: {e}", flush=True)
                     continue
