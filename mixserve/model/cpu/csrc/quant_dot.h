@@ -131,13 +131,15 @@ constexpr int PREFETCH_ROWS = PREFETCH_ROWS_OVERRIDE;
 #endif
 
 // visit(c, b, block) for every block b of the first `cols` (<= COLS) weight rows from w, b outermost, with
-// the rows PREFETCH_ROWS ahead asked for: one stream a thread does not keep the memory busy on its own.
+// the rows PREFETCH_ROWS ahead asked for: one stream a thread does not keep the memory busy on its own. Every
+// line of a block is asked for: a K-quant block spans 3-4 (one prefetch a block left Q6_K waiting on memory).
 template <int COLS, typename Visit>
 inline void walk_blocks(const uint8_t* w, int64_t row_bytes, int cols, int64_t nb, int64_t bb, Visit&& visit) {
     for (int64_t b = 0; b < nb; ++b)
         for (int c = 0; c < COLS && c < cols; ++c) {
             const uint8_t* blk = w + c * row_bytes + b * bb;
-            _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
+            for (int64_t off = 0; off < bb; off += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_ROWS * row_bytes + off), _MM_HINT_T0);
             visit(c, b, blk);
         }
 }
