@@ -1,5 +1,5 @@
 // Few-row products of the 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and of Q4_K / Q6_K (the
-// two a Q4_K_M file is mostly made of) in float32, each block decoded in registers and multiplied there: no
+// two a Q4_K_M file is mostly made of) and Q5_K in float32, each block decoded in registers and multiplied there: no
 // decoded copy goes through memory. The products are those of
 // dequantize-then-matmul (float32 rounding aside), so a decode step's logits equal a whole prefill's.
 #pragma once
@@ -40,7 +40,8 @@ inline Block32 block32(const uint8_t* b) {
     }
 }
 
-constexpr int V16 = 16 / LANES;  // vectors of 16 floats
+constexpr int V16 = 16 / LANES;
+constexpr int block_elems_of(int type) { return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32; }  // vectors of 16 floats
 
 // 16 quants -> 16 weights d q + m, as V16 vectors
 template <bool SIGNED>
@@ -104,10 +105,11 @@ inline void fma_span(const Vf* w, const float* x, int64_t ldx, int h, Vf (*acc)[
 
 // One Q4_K super-block (256 elements, quant_blocks.h's decode_q4_k) against x's rows from `x`: each pair of
 // sub-blocks shares 32 bytes, the low nibbles the first one's 32 weights, the high nibbles the second's.
-template <int ROWS, int H>
+// FIFTH: a Q5_K super-block (decode_q5_k), 32 bytes of fifth bits before the nibbles, bit j for sub-block j.
+template <int ROWS, int H, bool FIFTH>
 inline void q4_k_block(const uint8_t* blk, const float* x, int64_t ldx, Vf (*acc)[H]) {
     const float d = half_to_float(read_half(blk)), dmin = half_to_float(read_half(blk + 2));
-    const uint8_t* q = blk + 16;
+    const uint8_t *qh = blk + 16, *q = blk + (FIFTH ? 48 : 16);
     for (int j = 0; j < 8; j += 2, q += 32) {
         int sc0, mn0, sc1, mn1;
         scale_min_k4(j, blk + 4, &sc0, &mn0);
@@ -115,11 +117,17 @@ inline void q4_k_block(const uint8_t* blk, const float* x, int64_t ldx, Vf (*acc
         const Vf d0 = vbroadcast(d * sc0), m0 = vbroadcast(-dmin * mn0);
         const Vf d1 = vbroadcast(d * sc1), m1 = vbroadcast(-dmin * mn1);
         const __m128i a = load16(q), b = load16(q + 16);
+        __m128i la = low_nibbles(a), lb = low_nibbles(b), ha = high_nibbles(a), hb = high_nibbles(b);
+        if constexpr (FIFTH) {
+            const __m128i ca = load16(qh), cb = load16(qh + 16);
+            la = _mm_or_si128(la, high_bits(ca, j, 1)), lb = _mm_or_si128(lb, high_bits(cb, j, 1));
+            ha = _mm_or_si128(ha, high_bits(ca, j + 1, 1)), hb = _mm_or_si128(hb, high_bits(cb, j + 1, 1));
+        }
         Vf w0[2 * V16], w1[2 * V16];
-        weights16<false>(low_nibbles(a), d0, m0, w0);
-        weights16<false>(low_nibbles(b), d0, m0, w0 + V16);
-        weights16<false>(high_nibbles(a), d1, m1, w1);
-        weights16<false>(high_nibbles(b), d1, m1, w1 + V16);
+        weights16<false>(la, d0, m0, w0);
+        weights16<false>(lb, d0, m0, w0 + V16);
+        weights16<false>(ha, d1, m1, w1);
+        weights16<false>(hb, d1, m1, w1 + V16);
         fma_span<ROWS, H, 2 * V16>(w0, x + 32 * j, ldx, 0, acc);
         fma_span<ROWS, H, 2 * V16>(w1, x + 32 * j + 32, ldx, H - 1, acc);
     }
@@ -145,8 +153,8 @@ void fused_pass_k(const uint8_t* w, int64_t row_bytes, int cols, const float* x,
         for (int r = 0; r < ROWS; ++r)
             for (int h = 0; h < H; ++h) acc[c][r][h] = vzero();
     walk_blocks<COLS2>(w, row_bytes, cols, nb, block_bytes(TYPE), [&](int c, int64_t b, const uint8_t* blk) {
-        if constexpr (TYPE == Q4_K) q4_k_block<ROWS, H>(blk, x + 256 * b, ldx, acc[c]);
-        else q6_k_block<ROWS, H>(blk, x + 256 * b, ldx, acc[c]);
+        if constexpr (TYPE == Q6_K) q6_k_block<ROWS, H>(blk, x + 256 * b, ldx, acc[c]);
+        else q4_k_block<ROWS, H, TYPE == Q5_K>(blk, x + 256 * b, ldx, acc[c]);
     });
     for (int c = 0; c < cols; ++c)
         for (int r = 0; r < ROWS; ++r) sums[c][r] = fused_hsum(H == 2 ? vadd(acc[c][r][0], acc[c][r][H - 1])
@@ -156,7 +164,7 @@ void fused_pass_k(const uint8_t* w, int64_t row_bytes, int cols, const float* x,
 template <int TYPE, int ROWS>
 void fused_pass_of(const uint8_t* w, int64_t row_bytes, int cols, const float* x, int64_t ldx, int64_t nb,
                    float (*sums)[8]) {
-    if constexpr (TYPE == Q4_K || TYPE == Q6_K) fused_pass_k<TYPE, ROWS>(w, row_bytes, cols, x, ldx, nb, sums);
+    if constexpr (block_elems_of(TYPE) == 256) fused_pass_k<TYPE, ROWS>(w, row_bytes, cols, x, ldx, nb, sums);
     else fused_pass<TYPE, ROWS>(w, row_bytes, cols, x, ldx, nb, sums);
 }
 
@@ -186,6 +194,7 @@ inline void fused_rows(int type, int rows, const uint8_t* w, int64_t row_bytes, 
         case Q5_0: return fused_rows_of<Q5_0>(rows, w, row_bytes, cols, x, ldx, nb, sums);
         case Q5_1: return fused_rows_of<Q5_1>(rows, w, row_bytes, cols, x, ldx, nb, sums);
         case Q4_K: return fused_rows_of<Q4_K>(rows, w, row_bytes, cols, x, ldx, nb, sums);
+        case Q5_K: return fused_rows_of<Q5_K>(rows, w, row_bytes, cols, x, ldx, nb, sums);
         case Q6_K: return fused_rows_of<Q6_K>(rows, w, row_bytes, cols, x, ldx, nb, sums);
         default: return fused_rows_of<Q8_0>(rows, w, row_bytes, cols, x, ldx, nb, sums);
     }

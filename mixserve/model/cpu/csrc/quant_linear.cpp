@@ -3,9 +3,9 @@
 // few-row kernel's panels instead: quant_panels.cpp).
 //
 // A decode step is bound by the bytes it reads, so the weight stays in its blocks: a thread walks its own run
-// of output columns (rows of w, contiguous in the file), prefetching the rows ahead. The 32-element formats
-// decode each block in registers and multiply it there (quant_fused.h); the others (K-quants, int8 per
-// channel) decode COLS rows into float32 in L1 and dot them with every input row from there. Either way the
+// of output columns (rows of w, contiguous in the file), prefetching the rows ahead. The GGUF formats decode
+// each block in registers and multiply it there (quant_fused.h); int8 per channel decodes COLS rows into
+// float32 in L1 and dots them with every input row from there. Either way the
 // products are float32 on the decoded weights, so the result equals dequantize-then-matmul up to float32
 // rounding. The integer-dot product on int8-rounded inputs (quant_dot.h, llama.cpp's way) is kept beside them
 // for measurement: docs/decisions/quantized-weights-in-place.md says why it is not the default.
@@ -169,7 +169,9 @@ void linear_int8_dot(int type, const float* x, int64_t ldx, int64_t m, const uin
 
 #ifdef MIXSERVE_QUANT_FUSED
 // The float32 product with each block decoded in registers (quant_fused.h): columns in pairs.
-bool fused_type(int type) { return int8_dot_type(type) || type == mixserve::Q4_K || type == mixserve::Q6_K; }
+bool fused_type(int type) {
+    return int8_dot_type(type) || type == mixserve::Q4_K || type == mixserve::Q5_K || type == mixserve::Q6_K;
+}
 
 void linear_fused(int type, const float* x, int64_t ldx, int64_t m, const uint8_t* w, int64_t row_bytes,
                   int64_t n, int64_t k, const float* bias, float* out, int64_t ldo, int num_threads) {
