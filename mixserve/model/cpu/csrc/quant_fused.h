@@ -23,7 +23,9 @@ struct Block32 {
 
 template <int TYPE>
 inline Block32 block32(const uint8_t* b) {
-    if constexpr (TYPE == Q8_0) {
+    if constexpr (TYPE == INT8_ROW) {  // 32 of a row's int8 values; the row's scale is applied to its sums
+        return {load16(b), load16(b + 16), 1.f, 0.f};
+    } else if constexpr (TYPE == Q8_0) {
         return {load16(b + 2), load16(b + 18), half_to_float(read_half(b)), 0.f};
     } else {
         const float d = half_to_float(read_half(b));
@@ -77,12 +79,13 @@ void fused_pass(const uint8_t* w, int64_t row_bytes, int cols, const float* x, i
     for (int c = 0; c < COLS2; ++c)
         for (int r = 0; r < ROWS; ++r)
             for (int h = 0; h < H; ++h) acc[c][r][h] = vzero();
-    walk_blocks<COLS2>(w, row_bytes, cols, nb, block_bytes(TYPE), [&](int c, int64_t b, const uint8_t* blk) {
+    walk_blocks<COLS2>(w, row_bytes, cols, nb, TYPE == INT8_ROW ? 32 : block_bytes(TYPE),
+                       [&](int c, int64_t b, const uint8_t* blk) {
         const Block32 q = block32<TYPE>(blk);
         const Vf d = vbroadcast(q.d), m = vbroadcast(q.m);
         Vf lo[V16], hi[V16];
-        weights16<TYPE == Q8_0>(q.lo, d, m, lo);
-        weights16<TYPE == Q8_0>(q.hi, d, m, hi);
+        weights16<TYPE == Q8_0 || TYPE == INT8_ROW>(q.lo, d, m, lo);
+        weights16<TYPE == Q8_0 || TYPE == INT8_ROW>(q.hi, d, m, hi);
         for (int r = 0; r < ROWS; ++r) {
             const float* xr = x + r * ldx + 32 * b;
             for (int v = 0; v < V16; ++v) {
@@ -196,6 +199,7 @@ inline void fused_rows(int type, int rows, const uint8_t* w, int64_t row_bytes, 
         case Q4_K: return fused_rows_of<Q4_K>(rows, w, row_bytes, cols, x, ldx, nb, sums);
         case Q5_K: return fused_rows_of<Q5_K>(rows, w, row_bytes, cols, x, ldx, nb, sums);
         case Q6_K: return fused_rows_of<Q6_K>(rows, w, row_bytes, cols, x, ldx, nb, sums);
+        case INT8_ROW: return fused_rows_of<INT8_ROW>(rows, w, row_bytes, cols, x, ldx, nb, sums);
         default: return fused_rows_of<Q8_0>(rows, w, row_bytes, cols, x, ldx, nb, sums);
     }
 }

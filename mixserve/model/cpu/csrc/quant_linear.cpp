@@ -169,16 +169,22 @@ void linear_int8_dot(int type, const float* x, int64_t ldx, int64_t m, const uin
 
 #ifdef MIXSERVE_QUANT_FUSED
 // The float32 product with each block decoded in registers (quant_fused.h): columns in pairs.
-bool fused_type(int type) {
-    return int8_dot_type(type) || type == mixserve::Q4_K || type == mixserve::Q5_K || type == mixserve::Q6_K;
+// int8 per channel in runs of 32 (k a multiple of 32), its row scales applied to the sums.
+bool fused_type(int type, int64_t k) {
+    return int8_dot_type(type) || type == mixserve::Q4_K || type == mixserve::Q5_K || type == mixserve::Q6_K ||
+           (type == mixserve::INT8_ROW && k % 32 == 0);
 }
 
 void linear_fused(int type, const float* x, int64_t ldx, int64_t m, const uint8_t* w, int64_t row_bytes,
-                  int64_t n, int64_t k, const float* bias, float* out, int64_t ldo, int num_threads) {
-    const int64_t nb = k / mixserve::block_elems(type);
+                  int64_t n, int64_t k, const float* scales, const float* bias, float* out, int64_t ldo,
+                  int num_threads) {
+    const int64_t nb = k / (type == mixserve::INT8_ROW ? 32 : mixserve::block_elems(type));
     column_pairs<mixserve::FUSED_ROWS>(m, n, bias, out, ldo, num_threads,
                                        [&](int rn, int64_t j0, int cols, int64_t r0, auto sums) {
         mixserve::fused_rows(type, rn, w + j0 * row_bytes, row_bytes, cols, x + r0 * ldx, ldx, nb, sums);
+        if (type == mixserve::INT8_ROW)
+            for (int c = 0; c < cols; ++c)
+                for (int r = 0; r < rn; ++r) sums[c][r] *= scales[j0 + c];
     });
 }
 #endif
@@ -215,8 +221,8 @@ int mixserve_quant_linear(int type, const float* x, int64_t ldx, int64_t m, cons
                                            num_threads);
 #endif
 #ifdef MIXSERVE_QUANT_FUSED
-    if (fused_type(type)) {
-        linear_fused(type, x, ldx, m, w, row_bytes, n, k, bias, out, ldo, num_threads);
+    if (fused_type(type, k)) {
+        linear_fused(type, x, ldx, m, w, row_bytes, n, k, scales, bias, out, ldo, num_threads);
         return 0;
     }
 #endif
