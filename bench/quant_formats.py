@@ -25,7 +25,7 @@ from mixserve.model.cpu import build  # noqa: E402
 from mixserve.model.cpu import quant_linear as ql  # noqa: E402
 
 N, K, LAYERS = 3072, 1536, 30
-QTYPES = (2, 3, 6, 7, 8, 12, 13, 14)  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K
+QTYPES = (2, 3, 6, 7, 8, 12, 13, 14)  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K, then int8 per channel
 
 
 def main() -> None:
@@ -37,8 +37,9 @@ def main() -> None:
     print("cpu:", cpu_flags(), "| kernels:", build.describe())
     rng = np.random.default_rng(0)
     weights = {q: [random_weight(q, N, K, rng) for _ in range(LAYERS)] for q in QTYPES}
+    weights[ql.INT8_ROW] = [ql.quantize_int8(torch.randn(N, K)) for _ in range(LAYERS)]  # quantization int8
     x = torch.randn(args.rows, K)
-    best = dict.fromkeys(QTYPES, float("inf"))
+    best = dict.fromkeys(weights, float("inf"))
     for _ in range(args.repeats):
         for q, ws in weights.items():
             t0 = time.perf_counter()

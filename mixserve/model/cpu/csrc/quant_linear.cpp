@@ -4,9 +4,9 @@
 //
 // A decode step is bound by the bytes it reads, so the weight stays in its blocks: a thread walks its own run
 // of output columns (rows of w, contiguous in the file), prefetching the rows ahead. The GGUF formats decode
-// each block in registers and multiply it there (quant_fused.h); int8 per channel decodes COLS rows into
-// float32 in L1 and dots them with every input row from there. Either way the
-// products are float32 on the decoded weights, so the result equals dequantize-then-matmul up to float32
+// each block in registers and multiply it there (quant_fused.h), int8 per channel too where k is a multiple
+// of 32; other int8 rows decode COLS rows into float32 in L1 and dot them with every input row from there.
+// Either way the products are float32 on the decoded weights, so the result equals dequantize-then-matmul up to float32
 // rounding. The integer-dot product on int8-rounded inputs (quant_dot.h, llama.cpp's way) is kept beside them
 // for measurement: docs/decisions/quantized-weights-in-place.md says why it is not the default.
 #include <omp.h>
