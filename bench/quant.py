@@ -2,7 +2,8 @@
 
 Not a test. Run: .venv/bin/python bench/quant.py [--modes none,auto] [--steps 100] [--context 64]
 [--threads 0] [--model FILE] [--llama-bench PATH] [--json PATH]. A mode: auto, none, int8, or one of them
-with -body (auto-body: its decode steps through the Python layer body, not the C++ layer stack).
+with -bf16 (the model in bfloat16) and/or -body (auto-body: its decode steps through the Python layer body,
+not the C++ layer stack), in that order: auto-bf16-body.
 Per mode, side by side: the weight bytes one decoded token reads (each layer's linears and the LM head:
 a QuantWeight's `.nbytes`, a float weight's parameter bytes; the embedding reads one row, so the table is
 not counted again when the head is tied to it), single-stream ms per token and tok/s, and peak and steady
@@ -47,6 +48,7 @@ FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "f16c", "fma")
 BLOCK_SIZE, ROUND_STEPS, WARM_STEPS, RSS_BLOCKS = 16, 10, 3, 8
 MB = 1e6
 BODY = "-body"  # a mode's suffix: decode steps through the Python layer body (see `load`)
+BF16 = "-bf16"  # before -body: the model in bfloat16 (dtype, the opt-in for speed), not float32
 
 
 def kb_mb(kb: int) -> float:
@@ -73,9 +75,12 @@ def proc_status_kb(key: str) -> int:
 
 def load(model: str, mode: str, num_blocks: int) -> ModelRunner:
     """A runner of `mode`; MODE-body: that mode with its decode steps run by the Python layer body instead
-    of the C++ layer stack (model/cpu/decode_layers.py), to see what the stack saves."""
+    of the C++ layer stack (model/cpu/decode_layers.py), to see what the stack saves; MODE-bf16[-body]: in
+    bfloat16."""
+    base = mode.removesuffix(BODY)
+    dtype = "bfloat16" if base.endswith(BF16) else "float32"
     runner = ModelRunner.from_pretrained(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, device="cpu",
-                                         dtype="float32", quantization=mode.removesuffix(BODY))
+                                         dtype=dtype, quantization=base.removesuffix(BF16))
     if mode.endswith(BODY):
         runner.model.stack = None
     return runner
@@ -189,10 +194,10 @@ def llama_bench(path: str, model: str, threads: int) -> float | None:
 
 
 def print_table(rows: dict[str, dict[str, Any]], llama_ms: float | None) -> None:
-    print(f"\n{'mode':<10} {'weight MB read/token':>20} {'ms/token':>9} {'GB/s':>6} {'tok/s':>7} "
+    print(f"\n{'mode':<14} {'weight MB read/token':>20} {'ms/token':>9} {'GB/s':>6} {'tok/s':>7} "
           f"{'peak RSS MB':>12} {'steady RSS MB':>14}")
     for mode, r in rows.items():
-        print(f"{mode:<10} {r['weight_bytes_per_token'] / MB:>20.1f} {r['ms_per_token']:>9.2f} "
+        print(f"{mode:<14} {r['weight_bytes_per_token'] / MB:>20.1f} {r['ms_per_token']:>9.2f} "
               f"{r['weight_bytes_per_token'] / r['ms_per_token'] / MB:>6.1f} {1e3 / r['ms_per_token']:>7.1f} "
               f"{kb_mb(r['peak_kb']):>12.1f} {kb_mb(r['steady_kb']):>14.1f}")
     if llama_ms is not None:
@@ -219,7 +224,8 @@ def savings(rows: dict[str, dict[str, Any]], fp32: int, file_bytes: int) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", default="none,auto", help="comma-separated: auto, none, int8, MODE-body")
+    ap.add_argument("--modes", default="none,auto",
+                    help="comma-separated: auto, none, int8, MODE-bf16, MODE[-bf16]-body")
     ap.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: one per core, bound)")
     ap.add_argument("--steps", type=int, default=100, help="timed decode steps per mode")

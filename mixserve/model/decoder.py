@@ -165,7 +165,7 @@ class DecoderModel(nn.Module):
         # A packed copy even when tied (the embedding gathers rows of the plain one): see ops._MIN_ROWS.
         self.head = HeadWeight(ops.pack(self.lm_head))
         self.stack = None  # decode steps' layers as one C++ call where every layer is a plain quantized one
-        if ops.name.endswith("+cpp") and self.dtype == torch.float32:
+        if ops.name.endswith("+cpp") and self.dtype in (torch.float32, torch.bfloat16):
             from mixserve.model.cpu import decode_layers
 
             self.stack = decode_layers.plan(self, ops)

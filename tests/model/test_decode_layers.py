@@ -70,8 +70,22 @@ def default_runner() -> ModelRunner:
 def test_default_model_stack_equals_the_layer_body(default_runner: ModelRunner,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     prompt = default_runner.tokenizer.encode("What is the capital of France? Answer in one word.")
-    assert len(prompt) <= decode_layers.LayerStack.max_tokens
+    assert len(prompt) <= default_runner.model.stack.max_tokens
     assert_stack_equals_body(default_runner, prompt, monkeypatch)
+
+
+def test_bf16_model_stack_equals_the_layer_body(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 model (the opt-in for speed): bf16 activations and KV cache, each linear's rows widened to
+    float32 and its product rounded once, as the body does; steps from the bf16 panels' row count on are
+    the body's."""
+    runner = ModelRunner.from_pretrained(str(default_model_path()), num_blocks=64, block_size=4, device="cpu",
+                                         quantization="auto", dtype="bfloat16")
+    stack = runner.model.stack
+    assert stack is not None, decode_layers.why_not(runner.model, runner.model.ops)
+    if ql.bf16_panels():
+        assert stack.max_tokens == ql.BF16_PANEL_ROWS - 1
+    prompt = runner.tokenizer.encode("What is the capital of France? Answer in one word.")[: stack.max_tokens]
+    assert_stack_equals_body(runner, prompt, monkeypatch)
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2-window"])
@@ -100,6 +114,18 @@ def test_a_step_the_stack_does_not_fit_runs_the_body(default_runner: ModelRunner
     _, ran = logits_of(default_runner, [ForwardBatch([ForwardSeq("c", long_prompt, 0, list(range(16)))])],
                        True, monkeypatch)
     assert ran == 0
+
+
+@pytest.mark.parametrize("family", ["qwen2-window"])
+def test_bf16_family_with_a_bias_stack_equals_the_layer_body(family: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 q/k/v bias is added in float32 inside the product, as the body adds it."""
+    path = make_tiny_family(tmp_path / family, family)
+    runner = ModelRunner.from_pretrained(str(path), num_blocks=32, block_size=4, device="cpu",
+                                         quantization="int8", dtype="bfloat16")
+    assert runner.model.layers[0].qkv_bias.dtype == torch.bfloat16
+    prompt = runner.tokenizer.encode("The quick brown fox jumps over the lazy dog, twice over.")[:12]
+    assert_stack_equals_body(runner, prompt, monkeypatch)
 
 
 def test_models_it_cannot_take_are_not_planned(tmp_path: Path) -> None:

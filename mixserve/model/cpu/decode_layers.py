@@ -4,13 +4,14 @@ On a one-token step of the default model the Python layer body makes ~12 kernel 
 each with its argument checks, tensors and ctypes conversions: ~3 ms of a ~10 ms token, where llama.cpp's
 whole token is ~8 ms. The C++ stack runs the same kernels in the same order, so its output is bit-identical
 to the body's; it takes over where every layer is a plain one (see `why_not`) and the step has few rows.
-docs/decisions/decode-layer-stack.md has the measurements.
+float32 and bfloat16 models (a bf16 step's linears widen their rows to float32 and round the product, as the
+body's do below quant_linear.BF16_PANEL_ROWS). docs/decisions/decode-layer-stack.md has the measurements.
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +20,7 @@ from torch import Tensor
 from mixserve.model.attention.base import AttentionMetadata, check_features
 from mixserve.model.cpu import quant_linear
 from mixserve.model.cpu.build import load_library
+from mixserve.model.cpu.layer_ops import DTYPE_CODE
 from mixserve.model.cpu.quant_linear import QuantWeight
 
 if TYPE_CHECKING:
@@ -43,7 +45,8 @@ class LayerSpec(ctypes.Structure):
 
 class StackShape(ctypes.Structure):
     _fields_ = [("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64), ("inter", _I64),
-                ("block_size", _I64), ("eps", _F), ("gelu", ctypes.c_int32), ("int8_inputs", ctypes.c_int32)]
+                ("block_size", _I64), ("eps", _F), ("gelu", ctypes.c_int32), ("int8_inputs", ctypes.c_int32),
+                ("dtype", ctypes.c_int32)]
 
 
 class StepBatch(ctypes.Structure):
@@ -61,16 +64,20 @@ def linear_spec(w: QuantWeight, bias: Tensor | None) -> QuantLinearSpec:
     return spec
 
 
-def _float32(t: Tensor | None) -> bool:
-    return t is not None and t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+def _of(t: Tensor | None, dtype: torch.dtype) -> bool:
+    return t is not None and t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
+
+
+def _pointer(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def why_not(model: DecoderModel, ops: LayerOps) -> str | None:
     """None when the stack can run this model's layers, else why not (one line)."""
     from mixserve.model.mlp import GatedMlp
 
-    if not ops.name.endswith("+cpp") or model.dtype != torch.float32:
-        return f"the stack runs float32 on the CPU kernels, not {ops.name} in {model.dtype}"
+    if not ops.name.endswith("+cpp") or model.dtype not in DTYPE_CODE:
+        return f"the stack runs float32 or bfloat16 on the CPU kernels, not {ops.name} in {model.dtype}"
     for i, layer in enumerate(model.layers):
         mlp = layer.mlp
         if not isinstance(mlp, GatedMlp) or mlp.activation not in ("silu", "gelu_tanh"):
@@ -80,10 +87,10 @@ def why_not(model: DecoderModel, ops: LayerOps) -> str | None:
         weights = (layer.packed.qkv, layer.packed.o_proj, mlp.packed.gate_up, mlp.packed.down)
         if not all(isinstance(w, QuantWeight) and len(w.segments) <= MAX_SEGMENTS for w in weights):
             return f"layer {i}'s linears are not all quantized"
-        if layer.qkv_bias is not None and not _float32(layer.qkv_bias):
-            return f"layer {i}'s q/k/v bias is not float32"
-        if not (_float32(layer.input_norm) and _float32(layer.post_norm)):
-            return f"layer {i}'s norms are not float32"
+        if layer.qkv_bias is not None and not _of(layer.qkv_bias, model.dtype):
+            return f"layer {i}'s q/k/v bias is not {model.dtype}"
+        if not (_of(layer.input_norm, model.dtype) and _of(layer.post_norm, model.dtype)):
+            return f"layer {i}'s norms are not {model.dtype}"
     return None
 
 
@@ -95,18 +102,19 @@ class LayerStack:
     shape: StackShape
     layers: ctypes.Array  # of LayerSpec
     model: DecoderModel
+    max_tokens: int = quant_linear.FEW_ROWS  # past this the linears take other kernels than the block one
     caches: KVCaches | None = None  # the cache list whose pointers `layers` holds
-
-    max_tokens = quant_linear.FEW_ROWS  # past this the linears take the tile path, not the block kernel
+    biases: list[Tensor] = field(default_factory=list)  # float32 copies of bf16 q/k/v biases `layers` reads
 
     def runs(self, ops: LayerOps, tokens: int, attn_name: str) -> bool:
         """Whether this forward runs here: the ops it was built for, few rows, the CPU paged attention."""
         return ops is self.ops and tokens <= self.max_tokens and attn_name == "cpu" and self.model.tp is None
 
     def _point_at(self, caches: KVCaches) -> None:
+        dtype = self.model.dtype
         for spec, (k_cache, v_cache) in zip(self.layers, caches, strict=True):
-            if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.float32):
-                raise ValueError("the decode layer stack needs contiguous float32 KV caches")
+            if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == dtype):
+                raise ValueError(f"the decode layer stack needs contiguous {dtype} KV caches")
             spec.k_cache, spec.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         self.shape.block_size = caches[0][0].shape[1]
         self.caches = caches
@@ -116,20 +124,24 @@ class LayerStack:
         output, which the caller owns) is overwritten."""
         if caches is not self.caches:
             self._point_at(caches)
-        sh = self.shape
+        sh, dtype = self.shape, self.model.dtype
         m = hidden.shape[0]
-        hidden = hidden.contiguous() if hidden.dtype == torch.float32 else hidden.float().contiguous()
+        hidden = hidden.to(dtype).contiguous()
         residual = torch.empty_like(hidden)
         width = (sh.heads + 2 * sh.kv_heads) * sh.head_dim
-        work = torch.empty(m * (sh.hidden + width + sh.heads * sh.head_dim + 3 * sh.inter),
-                           dtype=torch.float32)
+        work = torch.empty(m * (sh.hidden + width + sh.heads * sh.head_dim + 3 * sh.inter), dtype=dtype)
+        wide = product = None  # bf16: each linear's input widened and its product, in float32
+        if dtype == torch.bfloat16:
+            wide = torch.empty(m * max(sh.hidden, sh.heads * sh.head_dim, sh.inter), dtype=torch.float32)
+            product = torch.empty(m * max(sh.hidden, width, 2 * sh.inter), dtype=torch.float32)
         tables = meta.block_tables
         batch = StepBatch(m, meta.positions.data_ptr(), meta.slot_mapping.data_ptr(),
                           meta.query_start.data_ptr(), meta.seq_lens.data_ptr(), tables.data_ptr(),
                           tables.shape[0], tables.shape[1])
         rc = load_library().mixserve_decode_layers(
             ctypes.addressof(sh), ctypes.addressof(self.layers), len(self.layers), ctypes.addressof(batch),
-            hidden.data_ptr(), residual.data_ptr(), work.data_ptr(), torch.get_num_threads())
+            hidden.data_ptr(), residual.data_ptr(), work.data_ptr(), _pointer(wide), _pointer(product),
+            torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"the decode layer stack's kernels cannot take this step (code {rc})")
         return hidden, residual
@@ -143,15 +155,20 @@ def plan(model: DecoderModel, ops: LayerOps) -> LayerStack | None:
     shape = StackShape(hidden=cfg.hidden_size, heads=first.num_heads, kv_heads=first.num_kv_heads,
                        head_dim=first.head_dim, inter=cfg.intermediate_size, block_size=0,
                        eps=first.eps, gelu=int(cfg.activation == "gelu_tanh"),
-                       int8_inputs=int(quant_linear.INT8_INPUTS))
+                       int8_inputs=int(quant_linear.INT8_INPUTS), dtype=DTYPE_CODE[model.dtype])
     specs = (LayerSpec * len(model.layers))()
+    biases = []
     for spec, layer in zip(specs, model.layers, strict=True):
         table = model.rotaries[layer.rope_table]
-        if not (_float32(table.cos) and _float32(table.sin)):
+        if not (_of(table.cos, model.dtype) and _of(table.sin, model.dtype)):
             return None
         args = layer.attn_args
         window = int(args.get("window", 0))
-        spec.qkv = linear_spec(layer.packed.qkv, layer.qkv_bias)
+        bias = layer.qkv_bias
+        if bias is not None and bias.dtype != torch.float32:  # the body adds it in float32 too
+            bias = bias.float().contiguous()
+            biases.append(bias)
+        spec.qkv = linear_spec(layer.packed.qkv, bias)
         spec.o = linear_spec(layer.packed.o_proj, None)
         spec.gate_up = linear_spec(layer.mlp.packed.gate_up, None)
         spec.down = linear_spec(layer.mlp.packed.down, None)
@@ -160,4 +177,8 @@ def plan(model: DecoderModel, ops: LayerOps) -> LayerStack | None:
         spec.scale = check_features(layer.head_dim, args.get("scale"), window, args.get("softcap", 0.0))
         spec.softcap = float(args.get("softcap", 0.0))
         spec.window = window if window < 1 << 30 else 0
-    return LayerStack(ops=ops, shape=shape, layers=specs, model=model)
+    # bf16 rows of BF16_PANEL_ROWS or more take the bf16 panels in the body (quant_linear.linear), not the
+    # float32 block kernel the stack calls
+    bf16_panels = model.dtype == torch.bfloat16 and quant_linear.bf16_panels()
+    rows = quant_linear.BF16_PANEL_ROWS - 1 if bf16_panels else quant_linear.FEW_ROWS
+    return LayerStack(ops=ops, shape=shape, layers=specs, model=model, max_tokens=rows, biases=biases)

@@ -1,4 +1,5 @@
-// A stack of dense decoder layers on quantized weights in one call, for the few rows of a decode step.
+// A stack of dense decoder layers on quantized weights in one call, for the few rows of a decode step, in
+// float32 or bfloat16 activations.
 //
 // The same kernels in the same order as the Python layer body (decoder.DecoderLayer.forward), so the output
 // is bit-identical; what goes is the ~12 Python->C calls a layer and their tensors, which on a one-token step
@@ -7,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common.h"
 #include "quant_spec.h"
 
 extern "C" {
@@ -32,10 +34,10 @@ namespace {
 
 struct LayerSpec {
     mixserve::QuantLinearSpec qkv, o, gate_up, down;
-    const float* input_norm;
-    const float* post_norm;
-    const float* cos;  // this layer's RoPE table (max_position, head_dim / 2)
-    const float* sin;
+    const void* input_norm;  // the norms' weights and the RoPE tables are in the stack's dtype
+    const void* post_norm;
+    const void* cos;  // this layer's RoPE table (max_position, head_dim / 2)
+    const void* sin;
     void* k_cache;  // (num_blocks, block_size, kv_heads, head_dim)
     void* v_cache;
     float scale, softcap;
@@ -47,6 +49,7 @@ struct StackShape {
     float eps;
     int32_t gelu;         // 1: GeGLU (tanh), 0: SiLU
     int32_t int8_inputs;  // quant_linear.INT8_INPUTS
+    int32_t dtype;        // the activations' and the KV cache's: 0 float32, 1 bfloat16
 };
 
 // The step's tokens and sequences, as AttentionMetadata holds them (int64, contiguous).
@@ -60,55 +63,83 @@ struct StepBatch {
     int64_t num_seqs, max_blocks;
 };
 
-}  // namespace
+// out (m, n) = x @ w.T in the stack's dtype. bf16 rows are widened into `wide` and the float32 product
+// is rounded into out once, as the Python body's quant_linear.linear does for bf16 inputs of few rows.
+int linear(const mixserve::QuantLinearSpec& w, const float* x, int64_t m, float* out, int int8, int threads,
+           float*, float*) {
+    return mixserve::quant_linear(w, x, m, out, int8, threads);
+}
 
-extern "C" {
+int linear(const mixserve::QuantLinearSpec& w, const uint16_t* x, int64_t m, uint16_t* out, int int8,
+           int threads, float* wide, float* product) {
+    for (int64_t i = 0; i < m * w.k; ++i) wide[i] = mixserve::bf16_to_float(x[i]);
+    const int rc = mixserve::quant_linear(w, wide, m, product, int8, threads);
+    for (int64_t i = 0; i < m * w.n; ++i) out[i] = mixserve::float_to_bf16(product[i]);
+    return rc;
+}
 
-// hidden (m, hidden) float32: in, the first layer's input; out, the last layer's MLP output. residual
-// (m, hidden): out, the residual stream beside it (their sum is the stack's output, as the Python body
-// carries it). work: m * (hidden + q/k/v width + heads * head_dim + 3 * inter) floats of scratch.
-// 0, or the failing kernel's code.
-int mixserve_decode_layers(const StackShape* sh, const LayerSpec* layers, int64_t num_layers, const StepBatch* b,
-                           float* hidden, float* residual, float* work, int threads) {
+template <typename T>
+int run_layers(const StackShape* sh, const LayerSpec* layers, int64_t num_layers, const StepBatch* b, T* hidden,
+               T* residual, T* work, float* wide, float* product, int threads) {
     const int64_t m = b->tokens, h = sh->hidden, d = sh->head_dim;
     const int64_t q_size = sh->heads * d, kv_size = sh->kv_heads * d, nqkv = q_size + 2 * kv_size;
-    float* x = work;
-    float* qkv = x + m * h;
-    float* att = qkv + m * nqkv;
-    float* gate_up = att + m * q_size;
-    float* act = gate_up + m * 2 * sh->inter;
-    const int int8 = sh->int8_inputs;
+    const int dt = sh->dtype, int8 = sh->int8_inputs;
+    T* x = work;
+    T* qkv = x + m * h;
+    T* att = qkv + m * nqkv;
+    T* gate_up = att + m * q_size;
+    T* act = gate_up + m * 2 * sh->inter;
     for (int64_t l = 0; l < num_layers; ++l) {
         const LayerSpec& L = layers[l];
         int rc;
         if (l == 0) {  // the first layer's input is whole: it is the residual stream
-            std::memcpy(residual, hidden, sizeof(float) * m * h);
-            rc = mixserve_rms_norm(0, hidden, h, nullptr, L.input_norm, x, m, h, sh->eps, threads);
+            std::memcpy(residual, hidden, sizeof(T) * m * h);
+            rc = mixserve_rms_norm(dt, hidden, h, nullptr, L.input_norm, x, m, h, sh->eps, threads);
         } else {
-            rc = mixserve_rms_norm(0, hidden, h, residual, L.input_norm, x, m, h, sh->eps, threads);
+            rc = mixserve_rms_norm(dt, hidden, h, residual, L.input_norm, x, m, h, sh->eps, threads);
         }
-        if (rc == 0) rc = mixserve::quant_linear(L.qkv, x, m, qkv, int8, threads);
+        if (rc == 0) rc = linear(L.qkv, x, m, qkv, int8, threads, wide, product);
         if (rc == 0)
-            rc = mixserve_rotary(0, qkv, nqkv, d, m, sh->heads + sh->kv_heads, d, L.cos, L.sin, b->positions,
+            rc = mixserve_rotary(dt, qkv, nqkv, d, m, sh->heads + sh->kv_heads, d, L.cos, L.sin, b->positions,
                                  threads);
         if (rc == 0)
-            rc = mixserve_store_kv(0, qkv + q_size, qkv + q_size + kv_size, nqkv, d, nqkv, d, L.k_cache,
+            rc = mixserve_store_kv(dt, qkv + q_size, qkv + q_size + kv_size, nqkv, d, nqkv, d, L.k_cache,
                                    L.v_cache, b->slots, m, sh->kv_heads, d);
         if (rc == 0)
-            rc = mixserve_paged_attention(0, qkv, L.k_cache, L.v_cache, att, b->query_start, b->seq_lens,
+            rc = mixserve_paged_attention(dt, qkv, L.k_cache, L.v_cache, att, b->query_start, b->seq_lens,
                                           b->block_tables, b->num_seqs, b->max_blocks, sh->heads, sh->kv_heads, d,
                                           sh->block_size, nqkv, d, q_size, d, L.scale, threads, L.window,
                                           L.softcap);
-        if (rc == 0) rc = mixserve::quant_linear(L.o, att, m, hidden, int8, threads);
-        if (rc == 0) rc = mixserve_rms_norm(0, hidden, h, residual, L.post_norm, x, m, h, sh->eps, threads);
-        if (rc == 0) rc = mixserve::quant_linear(L.gate_up, x, m, gate_up, int8, threads);
+        if (rc == 0) rc = linear(L.o, att, m, hidden, int8, threads, wide, product);
+        if (rc == 0) rc = mixserve_rms_norm(dt, hidden, h, residual, L.post_norm, x, m, h, sh->eps, threads);
+        if (rc == 0) rc = linear(L.gate_up, x, m, gate_up, int8, threads, wide, product);
         if (rc == 0)
-            rc = sh->gelu ? mixserve_gelu_tanh_and_mul(0, gate_up, act, m, sh->inter, threads)
-                          : mixserve_silu_and_mul(0, gate_up, act, m, sh->inter, threads);
-        if (rc == 0) rc = mixserve::quant_linear(L.down, act, m, hidden, int8, threads);
+            rc = sh->gelu ? mixserve_gelu_tanh_and_mul(dt, gate_up, act, m, sh->inter, threads)
+                          : mixserve_silu_and_mul(dt, gate_up, act, m, sh->inter, threads);
+        if (rc == 0) rc = linear(L.down, act, m, hidden, int8, threads, wide, product);
         if (rc != 0) return rc;
     }
     return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// hidden (m, hidden) in the stack's dtype: in, the first layer's input; out, the last layer's MLP output.
+// residual (m, hidden): out, the residual stream beside it (their sum is the stack's output, as the Python
+// body carries it). work: m * (hidden + q/k/v width + heads * head_dim + 3 * inter) elements of scratch in
+// that dtype, and for bf16 also wide and product, float32 (m * the widest k, m * the widest n); null for
+// float32. 0, or the failing kernel's code (-1: an unknown dtype).
+int mixserve_decode_layers(const StackShape* sh, const LayerSpec* layers, int64_t num_layers, const StepBatch* b,
+                           void* hidden, void* residual, void* work, float* wide, float* product, int threads) {
+    if (sh->dtype == 0)
+        return run_layers(sh, layers, num_layers, b, static_cast<float*>(hidden), static_cast<float*>(residual),
+                          static_cast<float*>(work), wide, product, threads);
+    if (sh->dtype == 1)
+        return run_layers(sh, layers, num_layers, b, static_cast<uint16_t*>(hidden),
+                          static_cast<uint16_t*>(residual), static_cast<uint16_t*>(work), wide, product, threads);
+    return -1;
 }
 
 }  // extern "C"
