@@ -132,6 +132,7 @@ class StepCostModel:
         self.window = window
         self._buckets: dict[int, _Bucket] = {}
         self._fit: CostCoefficients | None = None
+        self._support: tuple[int, ...] | None = None  # the features the last fit kept (> 0): its warm start
         self.num_samples = 0
         # the last step observed: its time as predicted before it ran (None when nobody asked), as measured
         self.last_predicted_s: float | None = None
@@ -170,7 +171,11 @@ class StepCostModel:
         n, buckets = num_features, self._buckets.values()
         xx = [[sum(b.xx[i][j] for b in buckets) for j in range(n)] for i in range(n)]
         xy = [sum(b.xy[i] for b in buckets) for i in range(n)]
-        c = nonnegative_fit(xx, xy, sum(b.yy for b in buckets)) + [0.0] * (NUM_FEATURES - n)
+        full = n == NUM_FEATURES
+        fit = nonnegative_fit(xx, xy, sum(b.yy for b in buckets), self._support if full else None)
+        if full:
+            self._support = tuple(i for i, v in enumerate(fit) if v > 0)
+        c = fit + [0.0] * (NUM_FEATURES - n)
         return CostCoefficients(c[0], c[1] / TOKEN_SCALE, c[2] / PAIR_SCALE, c[3] / SEQ_SCALE,
                                 c[4] / SEQ_SCALE, c[5] / SEQ_SCALE)
 

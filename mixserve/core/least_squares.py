@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import combinations
 
 
@@ -24,9 +25,36 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     return out
 
 
-def nonnegative_fit(xx: list[list[float]], xy: list[float], yy: float) -> list[float]:
-    """The least-squares coefficients >= 0 (exact for a few features: the best of every feature subset)."""
+def _on_support(xx: list[list[float]], xy: list[float], support: Sequence[int]) -> list[float] | None:
+    """The unconstrained fit on `support` (the other coefficients 0); None if singular or any is < 0."""
+    c = [0.0] * len(xy)
+    if support:
+        sol = _solve([[xx[i][j] for j in support] for i in support], [xy[i] for i in support])
+        if sol is None or any(v < 0 for v in sol):
+            return None
+        for i, v in zip(support, sol, strict=True):
+            c[i] = v
+    return c
+
+
+def _optimal(xx: list[list[float]], xy: list[float], c: list[float]) -> bool:
+    """The KKT conditions of min |y - Xc|^2 over c >= 0, which suffice for this convex problem: no
+    coefficient held at 0 would lower the error by growing (its gradient xy_i - (xx c)_i is <= 0)."""
     n = len(xy)
+    tol = 1e-9 * max(1.0, *(abs(v) for v in xy))
+    return all(c[i] > 0 or xy[i] - sum(xx[i][j] * c[j] for j in range(n)) <= tol for i in range(n))
+
+
+def nonnegative_fit(xx: list[list[float]], xy: list[float], yy: float,
+                    support: Sequence[int] | None = None) -> list[float]:
+    """The least-squares coefficients >= 0 (exact for a few features: the best of every feature subset).
+    `support`: the features a previous fit kept; when their fit is still optimal it is the answer in one
+    solve, not 2**n (the step cost model refits after every step)."""
+    n = len(xy)
+    if support is not None:
+        c = _on_support(xx, xy, support)
+        if c is not None and _optimal(xx, xy, c):
+            return c
     best, best_sse = [0.0] * n, yy
     for k in range(n, 0, -1):
         for subset in combinations(range(n), k):
