@@ -21,7 +21,7 @@ from mixserve.engine.step_cost import StepCost
 from mixserve.engine.step_sampling import Sampled, draft_groups, sample_step
 from mixserve.engine.step_trace import StepTrace
 from mixserve.engine.structured import Grammars
-from mixserve.engine.threads import available_cores, bind_threads, load_on_own_thread, set_threads
+from mixserve.engine.threads import available_cores, bind_threads, run_on_own_thread, set_threads
 from mixserve.runner.sampler import Sampler
 
 
@@ -72,7 +72,7 @@ class LLMEngine:
         self.num_threads = set_threads(cfg.threads) if torch.device(runner.device).type == "cpu" else 0
         self._bound_thread: int | None = None
         # after set_threads: with a TPOT target and no cost model file it profiles the runner first
-        self.step_cost = StepCost(cfg, runner, self.scheduler, self.num_blocks)
+        self.step_cost = StepCost(cfg, runner, self.scheduler, self.num_blocks, self.num_threads)
         self._cost_fields: dict = {}  # the last step's prediction, for its trace line
         self._requests: dict[str, RequestState] = {}
         self.choices = Choices()  # requests with n > 1
@@ -123,7 +123,7 @@ class LLMEngine:
 
         # on the CPU on a bound thread of its own that then ends (threads.py: one OpenMP pool at a time);
         # this thread stays free to run the server's event loop, off the compute core
-        runner = load_on_own_thread(load, set_threads(cfg.threads)) if device.type == "cpu" else load()
+        runner = run_on_own_thread(load, set_threads(cfg.threads)) if device.type == "cpu" else load()
         return cls(runner, cfg)  # its first step() binds whichever thread steps, this one too (offline)
 
     # ---- requests in and out -------------------------------------------------------------------

@@ -7,7 +7,8 @@ region creates (the threads that appear in /proc/self/task) go one to each follo
 one worker pool per master thread, so the engine binds again when step() first runs on a new thread.
 
 The server's event loop runs on any core, never pinned, and the model loads on a thread of its own that then
-ends (`load_on_own_thread`), so the thread that steps owns the only OpenMP pool. Why, measured:
+ends (`run_on_own_thread`; so does the step cost model's start-up profile), so the thread that steps owns
+the only OpenMP pool. Why, measured:
 docs/decisions/threads-and-the-event-loop.md.
 """
 
@@ -83,9 +84,10 @@ def unbind_thread() -> None:
         os.sched_setaffinity(threading.get_native_id(), available_cores())
 
 
-def load_on_own_thread(load: Callable[[], T], n: int) -> T:
-    """Run `load` (the model's loading) on a thread of its own, bound one per core (bind_threads), wait for
-    it and return its result (or raise its exception); the thread then ends, and its OpenMP pool with it.
+def run_on_own_thread(load: Callable[[], T], n: int) -> T:
+    """Run `load` (the model's loading, the start-up profile: anything that runs the model before the step
+    thread does) on a thread of its own, bound one per core (bind_threads), wait for it and return its
+    result (or raise its exception); the thread then ends, and its OpenMP pool with it.
 
     Why not load on the calling thread: libgomp keeps a worker pool for every thread that ever ran a
     parallel region, until that thread exits, and once it manages more threads than the machine has CPUs
