@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from mixserve.core.batch import Chunk, RequestId, ScheduleOutput
 from mixserve.core.blocks import BlockSpace
 from mixserve.core.config import SchedulerConfig
-from mixserve.core.cost_model import StepFeatures, TpotBudget, step_features
+from mixserve.core.cost_model import StepFeatures, step_features
 from mixserve.core.draft_steps import book_drafts, keep_verified, trim_blocks
 from mixserve.core.policy import PrefillPolicy, WholePrompt
 from mixserve.core.prefill_limits import Admit, PartialPrefills
@@ -18,6 +18,7 @@ from mixserve.core.scheduler_reads import SchedulerReads
 from mixserve.core.slo import SloBudget, first_prefill
 from mixserve.core.speculative import SpecCounts, Speculation
 from mixserve.core.step_draft import StepDraft
+from mixserve.core.tpot_budget import TpotBudget
 from mixserve.core.waiting_share import WAITING_SHARE, WaitingShare
 
 MAX_FINISHED_KEPT = 10_000  # finished requests kept readable (abort() forgets one sooner)

@@ -24,8 +24,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from mixserve.core.cost_model import CostCoefficients, StepCostModel, StepFeatures, TpotBudget, step_features
+from mixserve.core.cost_model import CostCoefficients, StepCostModel, StepFeatures, step_features
 from mixserve.core.request import Request
+from mixserve.core.tpot_budget import TpotBudget
 
 STEP_CAP_TPOTS = 2.0  # no TTFT at risk: a step lasts at most this many TPOT SLOs, however much slack
 TTFT_RISK = 2.0  # a prompt is at risk once twice its prefill's time alone would pass its TTFT deadline

@@ -13,7 +13,8 @@ schedules as the scheduler did before it). Why a share, and why 0.15: docs/decis
 
 from __future__ import annotations
 
-from mixserve.core.cost_model import StepFeatures, TpotBudget
+from mixserve.core.cost_model import StepFeatures
+from mixserve.core.tpot_budget import TpotBudget
 
 WAITING_SHARE = 0.15  # EngineConfig.waiting_share's default
 

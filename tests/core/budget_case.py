@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mixserve.core.cost_model import StepCostModel, StepFeatures, TpotBudget, step_features
+from mixserve.core.cost_model import StepCostModel, StepFeatures, step_features
+from mixserve.core.tpot_budget import TpotBudget
 
 
 @dataclass

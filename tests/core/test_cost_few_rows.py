@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from mixserve.core.cost_model import FEW_ROWS, CostCoefficients, StepCostModel, TpotBudget, step_features
+from mixserve.core.cost_model import FEW_ROWS, CostCoefficients, StepCostModel, step_features
+from mixserve.core.tpot_budget import TpotBudget
 
 # the shape measured on the default Q4_1 model (docs/decisions/step-cost-few-rows.md): ~2.6 ms a row up to
 # 32 rows, ~1.3 ms a row past them

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from mixserve.core import BlockPool, Chunked, Scheduler, SchedulerConfig, plan
-from mixserve.core.cost_model import CostCoefficients, StepCostModel, TpotBudget, step_features
+from mixserve.core.cost_model import CostCoefficients, StepCostModel, step_features
+from mixserve.core.tpot_budget import TpotBudget
 
 # 50 ms a step, 1 ms a token, no attention term: a chunk's time is its length in ms
 COST = CostCoefficients(overhead_s=0.05, per_token_s=0.001, per_pair_s=0.0)

@@ -9,9 +9,10 @@ from collections.abc import Iterator
 import pytest
 
 from mixserve.core import BlockPool, Chunked, PrefillPolicy, ScheduleOutput, Scheduler, SchedulerConfig
-from mixserve.core.cost_model import CostCoefficients, StepCostModel, StepFeatures, TpotBudget, step_features
+from mixserve.core.cost_model import CostCoefficients, StepCostModel, StepFeatures, step_features
 from mixserve.core.request import Request
 from mixserve.core.slo import PACE, STEP_CAP_TPOTS, SloBudget, SloTargets, step_budget_for
+from mixserve.core.tpot_budget import TpotBudget
 
 # 20 ms a step, 1 ms a token, 1 ms a sequence, no attention term; DEAR: a decode beside a chunk costs 10 ms
 COST = CostCoefficients(overhead_s=0.02, per_token_s=0.001, per_pair_s=0.0, per_seq_s=0.001)

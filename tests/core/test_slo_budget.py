@@ -9,9 +9,10 @@ import random
 import pytest
 
 from mixserve.core import Chunked, ScheduleOutput, Scheduler, SchedulerConfig
-from mixserve.core.cost_model import CostCoefficients, StepCostModel, TpotBudget, step_features
+from mixserve.core.cost_model import CostCoefficients, StepCostModel, step_features
 from mixserve.core.request import Request
 from mixserve.core.slo import PROBE_EVERY, WAIT_BOUND_TTFTS, SloBudget, SloTargets, step_budget_for
+from mixserve.core.tpot_budget import TpotBudget
 
 COST = CostCoefficients(overhead_s=0.02, per_token_s=0.001, per_pair_s=0.0, per_seq_s=0.001)
 

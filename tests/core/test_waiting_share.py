@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from mixserve.core import BlockPool, Chunked, Scheduler, SchedulerConfig, plan
-from mixserve.core.cost_model import CostCoefficients, StepCostModel, StepFeatures, TpotBudget, step_features
+from mixserve.core.cost_model import CostCoefficients, StepCostModel, StepFeatures, step_features
+from mixserve.core.tpot_budget import TpotBudget
 from mixserve.core.waiting_share import WAITING_SHARE, WaitingShare
 
 # 50 ms a step, 1 ms a token, no attention term: a chunk's time is its length in ms

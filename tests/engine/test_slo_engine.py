@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from mixserve.config import ConfigError, add_engine_flags, config_from_args
-from mixserve.core.cost_model import TpotBudget
 from mixserve.core.slo import SloBudget
+from mixserve.core.tpot_budget import TpotBudget
 from mixserve.engine import SamplingParams
 from mixserve.metrics import ServerMetrics
 
