@@ -12,10 +12,10 @@ from mixserve.core.cost_model import (
     CostCoefficients,
     StepCostModel,
     StepFeatures,
-    TpotBudget,
     attended_pairs,
     step_features,
 )
+from mixserve.core.tpot_budget import TpotBudget
 from tests.core.budget_case import budget_case
 
 TRUE = CostCoefficients(overhead_s=0.02, per_token_s=0.0015, per_pair_s=4e-8)
