@@ -198,10 +198,8 @@ class Scheduler(SchedulerReads):
             budget_left = max(limit, min(budget_left, self.cfg.block_size)) if alone else limit
         length = self.policy.chunk_len(remaining, budget_left, alone)
         if not 0 <= length <= remaining or (length > budget_left and not alone):
-            raise ValueError(
-                f"{type(self.policy).__name__}.chunk_len({remaining}, {budget_left}, {alone}) "
-                f"returned {length}: out of range"
-            )
+            raise ValueError(f"{type(self.policy).__name__}.chunk_len({remaining}, {budget_left}, {alone}) "
+                             f"returned {length}: out of range")
         if length == 0:
             return 0
         admitting = r.status is Status.WAITING

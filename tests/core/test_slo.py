@@ -226,8 +226,7 @@ def test_step_budget_for_picks_the_mode_and_targets_are_validated() -> None:
                           ((0, 2000, 0), (2.0, 0.0)), ((400, 0, 150), (0.0, 0.15))):
         b = step_budget_for(m, *args)
         assert type(b) is SloBudget and b.targets == SloTargets(*targets) and b.model is m
-    b = step_budget_for(m, 400)
-    assert type(b) is TpotBudget and b.target_s == pytest.approx(0.4)
+    assert type(b := step_budget_for(m, 400)) is TpotBudget and b.target_s == pytest.approx(0.4)
     assert step_budget_for(m, 0) is None
     for bad in ((-1.0, 0.2), (2.0, -0.1), (math.nan, 0.2), (2.0, math.nan), (math.inf, 0.2), (0.0, 0.0)):
         with pytest.raises(ValueError):
