@@ -72,7 +72,7 @@ class LLMEngine:
         self.num_threads = set_threads(cfg.threads) if torch.device(runner.device).type == "cpu" else 0
         self._bound_thread: int | None = None
         # after set_threads: with a TPOT target and no cost model file it profiles the runner first
-        self.step_cost = StepCost(cfg, runner, self.scheduler, self.num_blocks, self.num_threads)
+        self.step_cost = StepCost(cfg, runner, self.scheduler, self.num_blocks)
         self._cost_fields: dict = {}  # the last step's prediction, for its trace line
         self._requests: dict[str, RequestState] = {}
         self.choices = Choices()  # requests with n > 1
@@ -121,10 +121,13 @@ class LLMEngine:
                 quantization=cfg.quantization,
             )
 
-        # on the CPU on a bound thread of its own that then ends (threads.py: one OpenMP pool at a time);
-        # this thread stays free to run the server's event loop, off the compute core
-        runner = run_on_own_thread(load, set_threads(cfg.threads)) if device.type == "cpu" else load()
-        return cls(runner, cfg)  # its first step() binds whichever thread steps, this one too (offline)
+        # on the CPU the load and the engine's own start-up work (a draft model's load, the cost profile) run
+        # on a bound thread of its own that then ends (threads.py: one OpenMP pool at a time); this thread
+        # stays free to run the server's event loop, off the compute core. Its first step() binds whichever
+        # thread steps, this one too (offline).
+        if device.type != "cpu":
+            return cls(load(), cfg)
+        return run_on_own_thread(lambda: cls(load(), cfg), set_threads(cfg.threads))
 
     # ---- requests in and out -------------------------------------------------------------------
 

@@ -13,7 +13,6 @@ from typing import Any
 from mixserve.core import ForwardBatch, ForwardSeq, Scheduler
 from mixserve.core.cost_model import StepCostModel, StepFeatures, step_features
 from mixserve.core.slo import SloBudget, step_budget_for
-from mixserve.engine.threads import run_on_own_thread
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +95,7 @@ def _sync(logits: Any) -> None:
 class StepCost:
     """The cost model of one engine, and the step budget when a TPOT target or an SLO is set."""
 
-    def __init__(self, cfg: Any, runner: Any, scheduler: Scheduler, num_blocks: int, num_threads: int = 0
-                 ) -> None:
-        """`num_threads` > 0 (a CPU runner): the profile runs on a thread of its own that then ends, as the
-        model's loading does, so that the thread that steps keeps the only OpenMP pool (engine/threads.py;
-        in `mixserve serve` a profile on the constructing thread left the event loop's pool beside the step
-        thread's, and every decode step ~1.6x slower)."""
+    def __init__(self, cfg: Any, runner: Any, scheduler: Scheduler, num_blocks: int) -> None:
         self.path = cfg.cost_model
         # a model written by an earlier run is its seed; it then goes on learning from this run's steps
         self.model = StepCostModel.load(self.path) if self.path and Path(self.path).exists() \
@@ -117,10 +111,7 @@ class StepCost:
                 start = time.monotonic()
                 # at start-up no request holds a block: the top of the pool is scratch
                 scratch = list(range(max(0, num_blocks - 2048), num_blocks))
-                def run() -> int:
-                    return profile(runner, self.model, scratch, cfg.max_batch_tokens, cfg.max_num_seqs)
-
-                self.profiled = run_on_own_thread(run, num_threads) if num_threads > 0 else run()
+                self.profiled = profile(runner, self.model, scratch, cfg.max_batch_tokens, cfg.max_num_seqs)
                 logger.info("step cost profile: %d steps in %.1f s -> %s", self.profiled,
                             time.monotonic() - start, self.model.coefficients)
             scheduler.with_step_budget(self.budget, cfg.waiting_share)

@@ -6,9 +6,9 @@ thread that runs the model (the OpenMP master) goes to the first core; the worke
 region creates (the threads that appear in /proc/self/task) go one to each following core. libgomp keeps
 one worker pool per master thread, so the engine binds again when step() first runs on a new thread.
 
-The server's event loop runs on any core, never pinned, and the model loads on a thread of its own that then
-ends (`run_on_own_thread`; so does the step cost model's start-up profile), so the thread that steps owns
-the only OpenMP pool. Why, measured:
+The server's event loop runs on any core, never pinned, and the engine is built (the model's load, a draft
+model's, the cost profile) on a thread of its own that then ends (`run_on_own_thread`), so the thread that
+steps owns the only OpenMP pool. Why, measured:
 docs/decisions/threads-and-the-event-loop.md.
 """
 

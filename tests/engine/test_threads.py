@@ -106,13 +106,14 @@ def test_event_loop_thread_is_not_left_on_the_compute_core(tiny_model_dir) -> No
 
 
 PROFILE_SCRIPT = """
-import os, sys, time
+import json, os, sys, time
 os.sched_setaffinity(0, range(os.cpu_count()))
 from mixserve.config import EngineConfig
 from mixserve.engine import LLMEngine
 before = set(os.listdir("/proc/self/task"))
+extra = json.loads(sys.argv[2])
 engine = LLMEngine.from_config(EngineConfig(model=sys.argv[1], device="cpu", threads=0, num_blocks=64,
-                                            block_size=4, tpot_target_ms=float(sys.argv[2])))
+                                            block_size=4, **extra))
 end = time.monotonic() + 10  # a freed pool's workers exit just after their master
 while set(os.listdir("/proc/self/task")) - before and time.monotonic() < end:
     time.sleep(0.01)
@@ -122,17 +123,21 @@ print(engine.step_cost.profiled, len(set(os.listdir("/proc/self/task")) - before
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or (os.cpu_count() or 1) < 2,
                     reason="needs Linux and at least two cores")
-def test_the_start_up_profile_leaves_no_pool_on_the_constructing_thread(tiny_model_dir) -> None:
-    """With a TPOT target the engine profiles the model while it is built; in `mixserve serve` the thread
-    that builds it goes on to run the event loop, so the profile must run (and end) on its own thread, or
-    its OpenMP pool stays beside the step thread's and slows every step (threads.py)."""
-    def threads_left(target_ms: int) -> tuple[int, int]:
-        out = subprocess.run([sys.executable, "-c", PROFILE_SCRIPT, str(tiny_model_dir), str(target_ms)],
+@pytest.mark.parametrize("extra", [{"tpot_target_ms": 400}, {"speculative": "DRAFT"}],
+                         ids=["cost-profile", "draft-model"])
+def test_start_up_work_leaves_no_pool_on_the_constructing_thread(tiny_model_dir, extra: dict) -> None:
+    """With a TPOT target the engine profiles the model while it is built, and `speculative = PATH` loads a
+    draft model; in `mixserve serve` the thread that builds the engine goes on to run the event loop, so that
+    work must run (and end) on a thread of its own, or its OpenMP pool stays beside the step thread's and
+    slows every step (threads.py)."""
+    def threads_left(config: dict) -> tuple[int, int]:
+        out = subprocess.run([sys.executable, "-c", PROFILE_SCRIPT, str(tiny_model_dir), json.dumps(config)],
                              capture_output=True, text=True, timeout=300, check=True)
         profiled, left = out.stdout.split()[-2:]
         return int(profiled), int(left)
 
-    profiled, with_profile = threads_left(400)
-    _, without = threads_left(0)
-    assert profiled > 0
-    assert with_profile == without
+    extra = {k: str(tiny_model_dir) if v == "DRAFT" else v for k, v in extra.items()}
+    profiled, with_work = threads_left(extra)
+    _, without = threads_left({})
+    assert profiled > 0 or "speculative" in extra
+    assert with_work == without
