@@ -47,6 +47,7 @@ ENGINE_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "--device": ("device", str),
     "--dtype": ("dtype", str),
     "--quantization": ("quantization", str),
+    "--int8-activations": ("int8_activations", on_off),
     "--speculative": ("speculative", str),
     "--num-speculative-tokens": ("num_speculative_tokens", int),
     "--seed": ("seed", int),

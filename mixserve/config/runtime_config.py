@@ -36,6 +36,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     quantization: str = "auto"  # auto | none | int8 (mixserve/model/quantization.py)
+    int8_activations: bool = False  # quantized weights multiply int8-rounded inputs (llama.cpp's rounding)
     speculative: str = ""  # "" (off) | ngram (core/speculative.py) | a draft model's path (draft_model.py)
     num_speculative_tokens: int = 4  # k: the most drafts a decode carries
 

@@ -119,6 +119,7 @@ class LLMEngine:
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
                 max_num_seqs=cfg.max_num_seqs,  # the largest decode batch a CUDA graph is captured for
                 quantization=cfg.quantization,
+                int8_activations=cfg.int8_activations,
             )
 
         # on the CPU the load and the engine's own start-up work (a draft model's load, the cost profile) run

@@ -84,15 +84,17 @@ def load_weights(path: Path, keep_blocks: bool = False
 
 def load_model(
     model: str | Path | None = None, *, device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32, quantization: str = "auto",
+    dtype: torch.dtype = torch.float32, quantization: str = "auto", int8_activations: bool = False,
 ) -> LoadedModel:
-    """Load weights, build the module on `device` in `dtype`, and load the tokenizer; `quantization` as
-    `[engine] quantization` says (mixserve/model/quantization.py)."""
+    """Load weights, build the module on `device` in `dtype`, and load the tokenizer; `quantization` and
+    `int8_activations` as `[engine]` says (mixserve/model/quantization.py)."""
     from mixserve.model import quantization as quant
 
     path = resolve_model_path(model)
     mode = quant.resolve(quantization, torch.device(device))
     cfg, sd, inv_freq = load_weights(path, keep_blocks=mode == "auto")
+    if int8_activations:
+        sd = quant.with_int8_inputs(sd)
     module = DecoderModel(cfg, dtype=dtype, device=device)
     module.load_hf_weights(sd, str(path), inv_freq=inv_freq)
     del sd

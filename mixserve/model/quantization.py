@@ -39,6 +39,18 @@ def resolve(mode: str, device: torch.device) -> str:
     return mode
 
 
+def with_int8_inputs(sd: dict[str, object]) -> dict[str, object]:
+    """`[engine] int8_activations`: the state dict's quantized weights marked to multiply int8-rounded inputs
+    (quant_linear.with_int8_inputs; the blocks are not copied). Said once where none has integer dots."""
+    from mixserve.model.cpu.quant_linear import QuantWeight, with_int8_inputs
+
+    marked = {k: with_int8_inputs(v) if isinstance(v, QuantWeight) else v for k, v in sd.items()}
+    if not any(isinstance(v, QuantWeight) and v.int8_inputs for v in marked.values()):
+        log.warning("int8_activations: no weight kept quantized is Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 (the "
+                    "formats with integer dots); the inputs stay float")
+    return marked
+
+
 @torch.no_grad()
 def quantize_int8(model) -> None:
     """Replace the dense linears, the token table and the head of a loaded DecoderModel by int8 per channel

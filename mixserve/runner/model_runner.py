@@ -115,12 +115,14 @@ class ModelRunner:
         cuda_graphs: bool = True,
         max_num_seqs: int = 256,
         quantization: str = "auto",
+        int8_activations: bool = False,
     ) -> ModelRunner:
         """Load a GGUF file or HF folder (None: the default model) and allocate `num_blocks` KV blocks.
 
         num_blocks=0 sizes the cache from memory: `cpu_kv_cache_gib` on the CPU, `gpu_memory_utilization` of
         the GPU. On CUDA, decode-only steps of up to `max_num_seqs` sequences replay CUDA graphs
-        (`cuda_graphs=False` runs every step eagerly). `quantization`: model/quantization.py."""
+        (`cuda_graphs=False` runs every step eagerly). `quantization`, `int8_activations`:
+        model/quantization.py."""
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         if num_blocks < 0:
@@ -130,7 +132,8 @@ class ModelRunner:
             keep_freed_memory()  # the steps' buffers reused, not faulted in again (runner/heap.py)
         dt = resolve_dtype(dtype, dev)
         attention = get_backend(attention_backend, dev, dt)
-        loaded = load_model(model, device=dev, dtype=dt, quantization=quantization)
+        loaded = load_model(model, device=dev, dtype=dt, quantization=quantization,
+                            int8_activations=int8_activations)
         if num_blocks == 0:
             num_blocks = num_blocks_for_memory(loaded.config, block_size, dt, dev, cpu_kv_cache_gib,
                                                gpu_memory_utilization)

@@ -88,6 +88,19 @@ def test_bf16_model_stack_equals_the_layer_body(monkeypatch: pytest.MonkeyPatch)
     assert_stack_equals_body(runner, prompt, monkeypatch)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_activations_stack_equals_the_layer_body(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8_activations: the stack passes the flag to every linear, so its integer dots (block kernel below
+    the int8 panels' rows, the panels from them) are the body's."""
+    runner = ModelRunner.from_pretrained(str(default_model_path()), num_blocks=64, block_size=4, device="cpu",
+                                         quantization="auto", dtype=dtype, int8_activations=True)
+    stack = runner.model.stack
+    assert stack is not None and stack.shape.int8_inputs == 1
+    prompt = runner.tokenizer.encode("What is the capital of France? Answer in one word.")[: stack.max_tokens]
+    assert len(prompt) >= 8  # the prefill takes the int8 panels where the build has them
+    assert_stack_equals_body(runner, prompt, monkeypatch)
+
+
 @pytest.mark.parametrize("family", ["mistral", "qwen2-window"])
 def test_int8_families_stack_equals_the_layer_body(family: str, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,11 +46,14 @@ def reference(raw: np.ndarray, qtype: int) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).astype(np.float32))
 
 
-def int8_dot(w: ql.QuantWeight, rows: int) -> bool:
-    """This call takes the integer-dot product: few rows, the 32-element formats, INT8_INPUTS on (the C++
-    int8_dot_type list: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)."""
-    return (getattr(ql, "INT8_INPUTS", False) and rows <= ql.FEW_ROWS
-            and all(ql.FORMATS[s.qtype][1] == 32 for s in w.segments))
+def int8_dot(w: ql.QuantWeight) -> bool:
+    """This weight's products are integer dots on int8-rounded inputs: marked `int8_inputs`, every segment a
+    32-element format (the C++ int8_dot_type list: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), at any number of rows."""
+    return w.int8_inputs and all(s.qtype in ql.INT8_FORMATS for s in w.segments)
+
+
+def as_tested(w: ql.QuantWeight, int8_inputs: bool) -> ql.QuantWeight:
+    return ql.with_int8_inputs(w) if int8_inputs else w
 
 
 def rounded_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,13 +94,9 @@ def two_threads() -> Iterator[None]:
 
 
 @pytest.fixture(params=[False, True], ids=["float-products", "int8-inputs"])
-def int8_inputs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Both settings of quant_linear.INT8_INPUTS (Q4_0/Q4_1/Q5_x/Q8_0 few-row products on int8 inputs)."""
-    if not hasattr(ql, "INT8_INPUTS"):
-        if request.param:
-            pytest.skip("this quant_linear has no integer-dot path")
-        return False
-    monkeypatch.setattr(ql, "INT8_INPUTS", request.param)
+def int8_inputs(request: pytest.FixtureRequest) -> bool:
+    """Both settings of QuantWeight.int8_inputs (Q4_0/Q4_1/Q5_x/Q8_0 products on int8-rounded inputs: the
+    block kernel for few rows, from INT8_PANEL_ROWS the VNNI panels where the build has them)."""
     return request.param
 
 
@@ -134,21 +133,21 @@ def test_from_blocks_refuses_rows_of_the_wrong_size() -> None:
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=IDS.get)
 def test_linear_equals_the_dequantized_matmul(int8_inputs: bool, qtype: int, rows: int) -> None:
-    w = weight(qtype, seed=qtype)
+    w = as_tested(weight(qtype, seed=qtype), int8_inputs)
     deq = ql.dequantize(w)
     g = torch.Generator().manual_seed(rows)
     x, bias = torch.randn(rows, K, generator=g), torch.randn(N, generator=g)
-    assert_linear_close(ql.linear(x, w, bias), x, deq, bias, int8_dot(w, rows))
-    assert_linear_close(ql.linear(x, w, None), x, deq, None, int8_dot(w, rows))
+    assert_linear_close(ql.linear(x, w, bias), x, deq, bias, int8_dot(w))
+    assert_linear_close(ql.linear(x, w, None), x, deq, None, int8_dot(w))
     wide = torch.cat([x, torch.randn(rows, 32, generator=g)], dim=1)[:, :K]  # row stride > k
-    assert_linear_close(ql.linear(wide, w, bias), x, deq, bias, int8_dot(w, rows))
+    assert_linear_close(ql.linear(wide, w, bias), x, deq, bias, int8_dot(w))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
 def test_cat_of_formats_equals_the_dequantized_concatenation(int8_inputs: bool, rows: int,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     parts = [weight(8, 5, seed=1), weight(8, 6, seed=2), weight(14, 7, seed=3), weight(2, 3, seed=4)]
-    fused = ql.cat(parts)
+    fused = as_tested(ql.cat(parts), int8_inputs)
     assert [ql.FORMATS[s.qtype][0] for s in fused.segments] == ["Q8_0", "Q6_K", "Q4_0"]  # adjacent Q8_0 merge
     assert fused.shape == (21, K) and fused.formats == ("Q8_0", "Q6_K", "Q4_0")
     assert fused.nbytes == sum(p.nbytes for p in parts)
@@ -158,7 +157,7 @@ def test_cat_of_formats_equals_the_dequantized_concatenation(int8_inputs: bool, 
     x, bias = torch.randn(rows, K, generator=g), torch.randn(21, generator=g)
     # the integer-dot rounding applies to the Q8_0 / Q4_0 segments only: check them and Q6_K's apart
     got = ql.linear(x, fused, bias)
-    dot = int8_dot(parts[0], rows)
+    dot = int8_inputs
     assert_linear_close(got[:, :11], x, deq[:11], bias[:11], dot)
     assert_linear_close(got[:, 11:18], x, deq[11:18], bias[11:18], False)
     assert_linear_close(got[:, 18:], x, deq[18:], bias[18:], dot)
@@ -173,17 +172,18 @@ def test_cat_of_formats_equals_the_dequantized_concatenation(int8_inputs: bool, 
 @pytest.mark.parametrize("rows", [ql.FEW_ROWS + 1, 133])
 @pytest.mark.parametrize(("qtype", "k"), [(3, 576), (8, 608), (14, 768), (ql.INT8_ROW, 301)],
                          ids=["Q4_1", "Q8_0", "Q6_K", "int8"])
-def test_panel_product_covers_every_panel_and_strip(two_threads: None, qtype: int, k: int, rows: int,
-                                                    n: int) -> None:
+def test_panel_product_covers_every_panel_and_strip(two_threads: None, int8_inputs: bool, qtype: int, k: int,
+                                                    rows: int, n: int) -> None:
     """Past FEW_ROWS a weight of several column panels, the last one partial (64-wide panels on AVX-512, 16
     on AVX2; n = 300 makes an odd count the threads split, one panel's rows shared), and a k that ends in a
     partial strip of 256 (int8: and in less than a vector): each panel and strip decoded to its place and
     multiplied by every row."""
     g = torch.Generator().manual_seed(rows + k)
     w = ql.quantize_int8(torch.randn(n, k, generator=g)) if qtype == ql.INT8_ROW else weight(qtype, n, k, 7)
+    w = as_tested(w, int8_inputs)  # int8: the VNNI panels are 32 wide, so 150 is 5 (an odd count), 300 is 10
     x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
-    assert_linear_close(ql.linear(x, w, bias), x, ql.dequantize(w), bias)
-    assert_linear_close(ql.linear(x, w, None), x, ql.dequantize(w), None)
+    assert_linear_close(ql.linear(x, w, bias), x, ql.dequantize(w), bias, int8_dot(w))
+    assert_linear_close(ql.linear(x, w, None), x, ql.dequantize(w), None, int8_dot(w))
 
 
 def test_map_rows_permutes_rows_and_scales() -> None:
@@ -240,17 +240,17 @@ def test_bf16_inputs_are_computed_in_float32_and_rounded_once(int8_inputs: bool,
     """Below BF16_PANEL_ROWS (or without AVX512-BF16) the float32 product rounded once to bf16; from it, the
     bf16 panels' float32 sums (test_bf16_panels_multiply_bf16_pairs_into_float32_sums) rounded once."""
     w = ql.quantize_int8(torch.randn(N, K)) if qtype == ql.INT8_ROW else weight(qtype, seed=qtype)
-    deq = ql.dequantize(w)
+    w, deq = as_tested(w, int8_inputs), ql.dequantize(w)
     g = torch.Generator().manual_seed(rows)
     x, bias = torch.randn(rows, K, generator=g).bfloat16(), torch.randn(N, generator=g).bfloat16()
     got = ql.linear(x, w, bias)
     assert got.dtype == torch.bfloat16
-    if rows >= ql.BF16_PANEL_ROWS and ql.bf16_panels():
+    if rows >= ql.BF16_PANEL_ROWS and ql.bf16_panels() and not w.int8_inputs:
         assert torch.equal(got, ql._bf16_panels(x, w, bias.float()).bfloat16())
         return
     want = ql.linear(x.float(), w, bias.float())  # the float32 result (checked above), rounded once to bf16
     assert torch.equal(got, want.bfloat16())
-    assert_linear_close(want, x.float(), deq, bias.float(), int8_dot(w, rows))
+    assert_linear_close(want, x.float(), deq, bias.float(), int8_dot(w))
 
 
 @pytest.mark.parametrize("n", [150, 300])

@@ -39,19 +39,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 SAME_WEIGHTS_TOL = 5e-5
 
 
-@pytest.fixture
-def float_products(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Few-row products in float32 on the decoded weights (no int8 rounding of the inputs)."""
-    if hasattr(ql, "INT8_INPUTS"):
-        monkeypatch.setattr(ql, "INT8_INPUTS", False)
-
-
 @pytest.fixture(scope="module")
 def default_llms() -> Iterator[dict[str, LLM]]:
     if ql.unavailable() is not None:
         pytest.skip(f"the quantized CPU kernels do not build here: {ql.unavailable()}")
     threads = torch.get_num_threads()  # the engine sets torch's pool size for the whole process
-    yield {mode: LLM(None, quantization=mode, **OPTIONS) for mode in ("auto", "none")}
+    llms = {mode: LLM(None, quantization=mode, **OPTIONS) for mode in ("auto", "none")}
+    yield {**llms, "int8-inputs": LLM(None, quantization="auto", int8_activations=True, **OPTIONS)}
     torch.set_num_threads(threads)
 
 
@@ -109,7 +103,7 @@ def test_auto_holds_no_float_copy_of_the_linears(default_llms) -> None:
     assert sum(t.numel() for t in ql._SCRATCH) <= ql._TILE_ELEMS  # prefill decodes tiles, never a whole head
 
 
-def test_logits_equal_none_with_float_products(default_llms, float_products: None) -> None:
+def test_logits_equal_none_with_float_products(default_llms) -> None:
     runners = {m: llm.engine.runner for m, llm in default_llms.items()}
     prompt = chat(default_llms["none"], TEXTS[0])
     assert len(prompt) > ql.FEW_ROWS  # the prefill takes the tiles, the head and the decodes the block kernel
@@ -136,22 +130,23 @@ def test_bf16_dtype_takes_bf16_panels_and_stays_as_close_as_bf16(default_llms,
     assert max_rel(got, teacher_forced(default_llms["none"].engine.runner, prompt, tokens)) < 0.06
 
 
-@pytest.mark.skipif(not hasattr(ql, "INT8_INPUTS"), reason="no integer-dot path")
-def test_logits_with_int8_inputs_stay_close(default_llms, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Inputs rounded to int8 per 32 (step amax / 127) in every few-row Q4_1 / Q8_0 product: measured up to
-    # 4e-2 of the largest |logit| over 6 decode steps (float products: 3e-6); enough to flip close top-2s
-    monkeypatch.setattr(ql, "INT8_INPUTS", True)
+def test_logits_with_int8_inputs_stay_close(default_llms) -> None:
+    # int8_activations: inputs rounded to int8 per 32 (step amax / 127) in every Q4_1 / Q8_0 product, the
+    # prefill's (VNNI panels where built) and the decode steps' (block kernel): measured up to 4e-2 of the
+    # largest |logit| over 6 decode steps (float products: 3e-6); enough to flip close top-2s
+    model = default_llms["int8-inputs"].engine.runner.model
+    assert all(w.int8_inputs for w in quant_weights(model).values())  # the file's Q4_1 and Q8_0, all marked
     runners = {m: llm.engine.runner for m, llm in default_llms.items()}
     prompt = chat(default_llms["none"], TEXTS[1])
     tokens = [o.token_ids for o in default_llms["none"].generate([prompt], GREEDY, use_tqdm=False)][0][:6]
-    assert max_rel(teacher_forced(runners["auto"], prompt, tokens),
-                   teacher_forced(runners["none"], prompt, tokens)) < 0.1
+    got, want = (teacher_forced(runners[m], prompt, tokens) for m in ("int8-inputs", "none"))
+    assert 1e-4 < max_rel(got, want) < 0.1  # rounded (not the float path), and close
 
 
-def test_greedy_generation_is_identical(default_llms, float_products: None) -> None:
+def test_greedy_generation_is_identical(default_llms) -> None:
     prompts = [chat(default_llms["none"], t) for t in TEXTS]
-    out = {m: [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-           for m, llm in default_llms.items()}
+    out = {m: [o.token_ids for o in default_llms[m].generate(prompts, GREEDY, use_tqdm=False)]
+           for m in ("auto", "none")}
     assert out["auto"] == out["none"] and all(len(t) == 16 for t in out["none"])
     assert "Paris" in default_llms["auto"].tokenizer.decode(out["auto"][0])
 
@@ -213,7 +208,7 @@ def no_kernel_type() -> gguf.GGMLQuantizationType | None:
     return None
 
 
-def test_gguf_of_mixed_types(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, float_products: None,
+def test_gguf_of_mixed_types(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                              caplog: pytest.LogCaptureFixture) -> None:
     if ql.unavailable() is not None:
         pytest.skip(ql.unavailable())

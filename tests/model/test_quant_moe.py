@@ -28,7 +28,6 @@ TYPES = {"ffn_gate_exps": T.Q8_0, "ffn_up_exps": T.Q4_1, "ffn_down_exps": T.Q4_0
 def moe_file(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     if ql.unavailable() is not None:
         pytest.skip(f"the quantized CPU kernels do not build here: {ql.unavailable()}")
-    monkeypatch.setattr(ql, "INT8_INPUTS", False)
     add = gguf.GGUFWriter.add_tensor
 
     def add_typed(self, name: str, tensor: np.ndarray, *args, **kwargs):  # experts (3D) quantized per row

@@ -28,7 +28,7 @@ log = logging.getLogger("mixserve")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "few_row_linear.cpp",
-           CSRC / "quant_linear.cpp", CSRC / "quant_panels.cpp",
+           CSRC / "quant_linear.cpp", CSRC / "quant_panels.cpp", CSRC / "quant_int8_panels.cpp",
            CSRC / "decode_layers.cpp", CSRC / "moe_experts.cpp")
 HEADERS = tuple(sorted(CSRC.glob("*.h")))  # every header keys the cache: an edit to any one rebuilds
 # The parts of -ffast-math the kernel wants (reassociated sums vectorise; it uses no infinities), named
@@ -57,6 +57,7 @@ SIGNATURES = {
     "mixserve_quant_decode_rows": [_I, _P, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _I],
     "mixserve_quant_panel_linear": [_I, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _I64, _I],
     "mixserve_quant_panel_linear_bf16": [_I, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _I64, _I],
+    "mixserve_quant_int8_panel_linear": [_I, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I],
     "mixserve_decode_layers": [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _I],
     "mixserve_moe_experts": [_P, _P, _I64, _P, _I, _P, _P, _P, _P, _I64, _I64, _I, _P, _I],
     "mixserve_moe_dispatch": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I],

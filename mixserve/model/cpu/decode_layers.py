@@ -147,6 +147,13 @@ class LayerStack:
         return hidden, residual
 
 
+def _int8_inputs(model: DecoderModel) -> bool:
+    """Whether the linears multiply int8-rounded inputs: the stack passes one flag to every linear, and the
+    C++ applies it to the formats that have integer dots (quant_linear.with_int8_inputs marks only those)."""
+    return any(w.int8_inputs for layer in model.layers for w in (
+        layer.packed.qkv, layer.packed.o_proj, layer.mlp.packed.gate_up, layer.mlp.packed.down))
+
+
 def plan(model: DecoderModel, ops: LayerOps) -> LayerStack | None:
     """The stack for `model` run with `ops`, or None where it cannot run them (`why_not`)."""
     if not model.layers or why_not(model, ops) is not None:
@@ -155,7 +162,7 @@ def plan(model: DecoderModel, ops: LayerOps) -> LayerStack | None:
     shape = StackShape(hidden=cfg.hidden_size, heads=first.num_heads, kv_heads=first.num_kv_heads,
                        head_dim=first.head_dim, inter=cfg.intermediate_size, block_size=0,
                        eps=first.eps, gelu=int(cfg.activation == "gelu_tanh"),
-                       int8_inputs=int(quant_linear.INT8_INPUTS), dtype=DTYPE_CODE[model.dtype])
+                       int8_inputs=int(_int8_inputs(model)), dtype=DTYPE_CODE[model.dtype])
     specs = (LayerSpec * len(model.layers))()
     biases = []
     for spec, layer in zip(specs, model.layers, strict=True):

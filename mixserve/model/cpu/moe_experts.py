@@ -38,8 +38,8 @@ class ExpertLinear(ctypes.Structure):
 
 def _expert_linear(w: object, dtype: torch.dtype) -> ExpertLinear | None:
     """The C++ view of one packed expert weight, or None where it has no few-row kernel."""
-    if isinstance(w, QuantWeight):  # (the int8-rounded inputs, a measurement switch, stay in Python)
-        if dtype != torch.float32 or len(w.segments) > MAX_SEGMENTS or quant_linear.INT8_INPUTS:
+    if isinstance(w, QuantWeight):  # (experts on int8-rounded inputs stay in Python: linear takes them)
+        if dtype != torch.float32 or len(w.segments) > MAX_SEGMENTS or w.int8_inputs:
             return None
         return ExpertLinear(1, w.n, w.k, quant_linear.FEW_ROWS, None, linear_spec(w, None))
     few = getattr(w, "few", None)  # the CPU ops' packed float weights keep their panels here

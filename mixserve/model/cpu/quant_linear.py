@@ -5,12 +5,16 @@ a view of the file's memory map where nothing had to move) or int8 per output ch
 Few rows (decode steps) run csrc/quant_linear.cpp on the blocks; more rows (prefill chunks) decode a column
 panel of the weight at a time to float32 in cache and multiply it there (csrc/quant_panels.cpp): there the
 compute, not the bytes, is the cost, so a bf16 model (dtype bfloat16) decodes them to bf16 pairs instead and
-multiplies with vdpbf16ps, half the instructions, where the CPU has AVX512-BF16.
-docs/decisions/quantized-weights-in-place.md has the measurements behind both and the row threshold.
+multiplies with vdpbf16ps, half the instructions, where the CPU has AVX512-BF16. A weight marked
+`int8_inputs` (`[engine] int8_activations`, the opt-in for llama.cpp's rounding) multiplies inputs rounded to
+int8 per block of 32 instead, in integer dots: the block kernel for few rows (csrc/quant_dot.h), VNNI panels
+for more (csrc/quant_int8_panels.cpp). docs/decisions/quantized-weights-in-place.md and
+docs/decisions/int8-activations.md have the measurements behind each path and its row threshold.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,10 +32,7 @@ FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q
            8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
            13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), INT8_ROW: ("int8", 1, 1)}
 FEW_ROWS = 32  # up to this many rows the block kernel; above, decoded panels (see the record)
-# True: the 32-element formats' few-row products as integer dots on inputs rounded to int8 per block of 32,
-# as llama.cpp does (csrc/quant_dot.h). False (kept): float32 products on the decoded weights, as fast here
-# and exact, so greedy output equals `none`'s (docs/decisions/quantized-weights-in-place.md)
-INT8_INPUTS = False
+INT8_FORMATS = frozenset({2, 3, 6, 7, 8})  # the formats with integer-dot kernels (the 32-element ones)
 # bf16 inputs (dtype bfloat16, the opt-in for speed): from this many rows on, the panels rounded to bf16 pairs
 # and multiplied by the inputs as they are (vdpbf16ps, float32 sums) where the kernels have AVX512-BF16;
 # below, the block kernel's float32 products is faster
@@ -66,6 +67,9 @@ class QuantWeight:
 
     segments: tuple[QuantSegment, ...]
     k: int
+    # inputs rounded to int8 per block of 32 and integer dots, in the formats that have them (INT8_FORMATS);
+    # float32 products in the others
+    int8_inputs: bool = False
 
     @functools.cached_property
     def n(self) -> int:
@@ -121,13 +125,22 @@ def cat(parts: list[QuantWeight]) -> QuantWeight:
             run[0].qtype, torch.cat([s.data for s in run]),
             None if run[0].scales is None else torch.cat([s.scales for s in run]))
         for run in merged)
-    return QuantWeight(segments, parts[0].k)
+    return QuantWeight(segments, parts[0].k, parts[0].int8_inputs)
 
 
 def map_rows(w: QuantWeight, fn: Callable[[Tensor], Tensor]) -> QuantWeight:
     """`fn` (a row permutation, as Q/K's un-permutation) applied to each segment's rows."""
     return QuantWeight(tuple(QuantSegment(s.qtype, fn(s.data).contiguous(), None if s.scales is None
-                                          else fn(s.scales).contiguous()) for s in w.segments), w.k)
+                                          else fn(s.scales).contiguous()) for s in w.segments), w.k,
+                       w.int8_inputs)
+
+
+def with_int8_inputs(w: QuantWeight) -> QuantWeight:
+    """`w` multiplying int8-rounded inputs (`[engine] int8_activations`): the same blocks, not copied; `w`
+    itself where no segment has an integer-dot kernel (its float32 products, bf16 panels, stay)."""
+    if not any(s.qtype in INT8_FORMATS for s in w.segments):
+        return w
+    return dataclasses.replace(w, int8_inputs=True)
 
 
 def unavailable() -> str | None:
@@ -172,8 +185,13 @@ def embedding(ids: Tensor, w: QuantWeight, dtype: torch.dtype) -> Tensor:
 
 def linear(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:
     """x (m, k) -> x @ w.T + bias on the decoded weights, in x's dtype: float32 products, or bf16 ones for
-    bf16 x of BF16_PANEL_ROWS rows or more where the kernels have them."""
-    if x.dtype == torch.bfloat16 and x.shape[0] >= BF16_PANEL_ROWS and w.k % 2 == 0 and bf16_panels():
+    bf16 x of BF16_PANEL_ROWS rows or more where the kernels have them; integer dots on int8-rounded x for a
+    weight marked `int8_inputs` (the C++ entry picks block kernel or panels by the rows)."""
+    if w.int8_inputs and x.dtype == torch.float32 and (bias is None or (bias.dtype == torch.float32
+                                                                        and bias.is_contiguous())):
+        return _few_rows(_rows_contiguous(x, w.k), w, bias)
+    if (x.dtype == torch.bfloat16 and not w.int8_inputs and x.shape[0] >= BF16_PANEL_ROWS and w.k % 2 == 0
+            and bf16_panels()):
         b = None if bias is None else bias.float().contiguous()
         return _bf16_panels(_rows_contiguous(x, w.k), w, b).to(torch.bfloat16)
     if x.dtype != torch.float32 or (bias is not None and (bias.dtype != torch.float32
@@ -206,7 +224,7 @@ def _per_segment(x: Tensor, w: QuantWeight, bias: Tensor | None, call: Callable[
 
 
 def _few_rows(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:
-    kernel, threads, int8 = load_library().mixserve_quant_linear, torch.get_num_threads(), int(INT8_INPUTS)
+    kernel, threads, int8 = load_library().mixserve_quant_linear, torch.get_num_threads(), int(w.int8_inputs)
     return _per_segment(x, w, bias, lambda *args: kernel(*args, int8, threads), "linear")
 
 

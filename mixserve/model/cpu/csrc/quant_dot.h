@@ -24,7 +24,8 @@ struct RowQ8 {
     const float* s;
 };
 
-inline void quantize_row_q8(const float* x, int64_t k, int8_t* q, float* d, float* s) {
+// sums (optional): the blocks' integer sums of q, which the int8 panels' offsets (Q4_0's 8, Q8_0's 128) take
+inline void quantize_row_q8(const float* x, int64_t k, int8_t* q, float* d, float* s, int32_t* sums = nullptr) {
     for (int64_t b = 0; b < k / 32; ++b, x += 32, q += 32) {
         __m256 v[4], amax = _mm256_setzero_ps();
         const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -51,7 +52,9 @@ inline void quantize_row_q8(const float* x, int64_t k, int8_t* q, float* d, floa
         __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum16), _mm256_extracti128_si256(sum16, 1));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-        s[b] = d[b] * static_cast<float>(_mm_cvtsi128_si32(t));
+        const int32_t sum = _mm_cvtsi128_si32(t);
+        s[b] = d[b] * static_cast<float>(sum);
+        if (sums) sums[b] = sum;
     }
 }
 

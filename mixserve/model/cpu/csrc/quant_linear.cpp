@@ -28,6 +28,10 @@ extern "C" int mixserve_quant_panel_linear(int type, const float* x, int64_t ldx
                                            int64_t row_bytes, int64_t n, int64_t k, const float* scales,
                                            const float* bias, float* out, int64_t ldo, int num_threads);
 
+extern "C" int mixserve_quant_int8_panel_linear(int type, const float* x, int64_t ldx, int64_t m, const void* data,
+                                                int64_t row_bytes, int64_t n, int64_t k, const float* bias,
+                                                float* out, int64_t ldo, int num_threads);
+
 namespace {
 
 constexpr int COLS = 4;  // weight rows decoded and dotted together: 4 chains of sums even for one input row
@@ -39,6 +43,9 @@ constexpr int64_t PANEL_ROWS = 28;
 #else
 constexpr int64_t PANEL_ROWS = 6;
 #endif
+// From this many rows int8 inputs take the VNNI panels (quant_int8_panels.cpp), where the kernels have them:
+// where they crossed the block kernel on 30 layers of Q4_1 (docs/decisions/int8-activations.md)
+constexpr int64_t INT8_PANEL_ROWS = 6;
 constexpr int PREFETCH_GROUPS = 2;  // how many groups of COLS rows ahead the float path prefetches
 
 #ifdef MIXSERVE_FEW_ROW_SIMD
@@ -202,8 +209,9 @@ extern "C" {
 
 // out[r, j] = sum_i x[r, i] w[j, i] (+ bias[j]) for r < m, j < n; w's row j is `row_bytes` bytes of blocks
 // from data + j * row_bytes. x, out float32 with row strides ldx, ldo. 0, or 1 for a type/k it cannot read.
-// int8_inputs: for Q4_0 / Q4_1 / Q8_0, the integer-dot product on the inputs rounded to int8 (quant_dot.h);
-// else (and for every other format) float32 products on the decoded weights, from PANEL_ROWS rows the panels'.
+// int8_inputs: for the 32-element formats, integer dots on the inputs rounded to int8 (quant_dot.h; from
+// INT8_PANEL_ROWS rows the VNNI panels); else (and for every other format) float32 products on the decoded
+// weights, from PANEL_ROWS rows the panels'.
 int mixserve_quant_linear(int type, const float* x, int64_t ldx, int64_t m, const void* data, int64_t row_bytes,
                           int64_t n, int64_t k, const float* scales, const float* bias, float* out, int64_t ldo,
                           int int8_inputs, int num_threads) {
@@ -211,6 +219,9 @@ int mixserve_quant_linear(int type, const float* x, int64_t ldx, int64_t m, cons
     const uint8_t* w = static_cast<const uint8_t*>(data);
 #ifdef MIXSERVE_QUANT_DOT
     if (int8_inputs && int8_dot_type(type)) {
+        if (m >= INT8_PANEL_ROWS && mixserve_quant_int8_panel_linear(type, x, ldx, m, data, row_bytes, n, k, bias,
+                                                                     out, ldo, num_threads) == 0)
+            return 0;
         linear_int8_dot(type, x, ldx, m, w, row_bytes, n, k, bias, out, ldo, num_threads);
         return 0;
     }
