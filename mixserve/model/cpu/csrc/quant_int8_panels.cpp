@@ -1,9 +1,11 @@
 // Prefill chunks on the 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with int8 inputs (`int8_inputs`,
 // the opt-in for llama.cpp's rounding): the inputs rounded to int8 once per call in blocks of 32, as the few-row
 // integer dots (quant_dot.h) round them, and each thread's column panel of the weight decoded to bytes laid out
-// for vpdpbusd: lane c of a 512-bit load holds 4 consecutive quants of output c, so one instruction is 64
-// multiply-adds (16 outputs x 4) against one input's 4 bytes broadcast, where float32 does 16 an FMA. The
-// integer sums are exact; each block's two scales then meet them in float32, 16 outputs a vector.
+// for integer dots: lane c of a vector holds 4 consecutive quants of output c, against one input's 4 bytes
+// broadcast. AVX512-VNNI: one vpdpbusd is 64 multiply-adds (16 outputs x 4), where float32 does 16 an FMA.
+// AVX2: vpmaddubsw's 16-bit pair sums are added in 16 bits over a whole block where they cannot overflow
+// (4-bit quants: 8 x 2 x 15 x 127 < 2^15), then widened once (vpmaddwd). The integer sums are exact; each
+// block's scale and minimum then meet them in float32, a vector of outputs at a time.
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -16,21 +18,45 @@
 #include "quant_blocks.h"
 #include "quant_dot.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(MIXSERVE_QUANT_DOT)
+#if defined(MIXSERVE_QUANT_DOT) && defined(MIXSERVE_FEW_ROW_SIMD) && \
+    (!defined(__AVX512F__) || (defined(__AVX512BW__) && defined(__AVX512VNNI__)))
 #define MIXSERVE_INT8_PANELS 1
 
 namespace {
 
 using mixserve::WeightBlock;
 
-constexpr int GROUPS = 2, WIDTH = 16 * GROUPS;  // outputs a panel: two vectors of 16
-constexpr int TILE_ROWS = 4;  // input rows a pass: 4 x 2 vectors each of integer sums, float sums, minimum sums
+#if defined(__AVX512F__)
+#define MIXSERVE_INT8_VNNI 1
+using Vi = __m512i;
+inline Vi vi_zero() { return _mm512_setzero_si512(); }
+inline Vi vi_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline Vi vi_set1(int32_t v) { return _mm512_set1_epi32(v); }
+inline Vi vi_sub(Vi a, Vi b) { return _mm512_sub_epi32(a, b); }
+inline Vf vi_float(Vi a) { return _mm512_cvtepi32_ps(a); }
+constexpr int TILE_ROWS = 4;  // input rows a pass: 4 x 2 vectors of integer sums and of float sums
+#else
+using Vi = __m256i;
+inline Vi vi_zero() { return _mm256_setzero_si256(); }
+inline Vi vi_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline Vi vi_set1(int32_t v) { return _mm256_set1_epi32(v); }
+inline Vi vi_sub(Vi a, Vi b) { return _mm256_sub_epi32(a, b); }
+inline Vf vi_float(Vi a) { return _mm256_cvtepi32_ps(a); }
+constexpr int TILE_ROWS = 2;  // 16 registers: 2 x 2 vectors each of 16-bit sums and float sums
+#endif
+constexpr int GROUPS = 2, WIDTH = LANES * GROUPS;  // outputs a panel: two vectors
+
+#ifdef MIXSERVE_INT8_VNNI
+constexpr bool SIGNED_Q8 = false;  // Q8_0's quants + 128, unsigned as vpdpbusd's first operand wants
+#else
+constexpr bool SIGNED_Q8 = true;  // kept signed: |q| x (x with q's sign), as quant_dot.h's AVX2 path does
+#endif
 
 // What the decoded quant u stands for: d (u - offset) + min. Offsets are subtracted in the integer sums
 // (exact); only Q4_1 / Q5_1 have a float minimum.
 template <int TYPE>
 constexpr int offset_of() {
-    return TYPE == mixserve::Q4_0 ? 8 : TYPE == mixserve::Q5_0 ? 16 : TYPE == mixserve::Q8_0 ? 128 : 0;
+    return TYPE == mixserve::Q4_0 ? 8 : TYPE == mixserve::Q5_0 ? 16 : TYPE == mixserve::Q8_0 && !SIGNED_Q8 ? 128 : 0;
 }
 template <int TYPE>
 constexpr bool has_min() { return TYPE == mixserve::Q4_1 || TYPE == mixserve::Q5_1; }
@@ -42,7 +68,7 @@ struct InputQ8 {
     std::vector<int32_t> sum;
 };
 
-// A panel: quants [block][quad][output][4] as unsigned bytes, scales and minimums [block][output].
+// A panel: quants [block][quad][output][4] as bytes, scales and minimums [block][output].
 struct Panel {
     std::vector<uint8_t> strip, q;  // strip: WIDTH rows of k bytes, row-major, before the transposition
     std::vector<float> d, min;
@@ -61,8 +87,9 @@ void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t j0, in
         const uint8_t* blk = w + (j0 + c) * row_bytes;
         for (int64_t b = 0; b < nb; ++b, blk += bb) {
             const WeightBlock wb = mixserve::weight_block<TYPE>(blk);
-            // Q8_0's quants signed: + 128 (xor of the sign bit) makes them the unsigned operand
-            const __m256i u = TYPE == mixserve::Q8_0 ? _mm256_xor_si256(wb.sign, _mm256_set1_epi8(-128)) : wb.u;
+            // Q8_0's quants: as they are (SIGNED_Q8), or + 128 (the sign bit flipped) for vpdpbusd
+            const __m256i u = TYPE != mixserve::Q8_0 ? wb.u
+                              : SIGNED_Q8 ? wb.sign : _mm256_xor_si256(wb.sign, _mm256_set1_epi8(-128));
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + b * 32), u);
             p.d[b * WIDTH + c] = wb.scale;
             p.min[b * WIDTH + c] = has_min<TYPE>() ? wb.min : 0.f;
@@ -73,17 +100,57 @@ void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t j0, in
     const float* src = reinterpret_cast<const float*>(p.strip.data());
     float* dst = reinterpret_cast<float*>(p.q.data());
     int64_t i = 0;
-    for (; i + 16 <= quads; i += 16)
+    for (; i + LANES <= quads; i += LANES)
         for (int g = 0; g < GROUPS; ++g)
-            transpose_tile(src + g * 16 * quads + i, quads, dst + i * WIDTH + g * 16, WIDTH);
-    for (; i < quads; ++i)  // k a multiple of 32 but not of 64: the last 8 quads
+            transpose_tile(src + g * LANES * quads + i, quads, dst + i * WIDTH + g * LANES, WIDTH);
+    for (; i < quads; ++i)  // k not a multiple of 4 LANES: the last quads
         for (int c = 0; c < WIDTH; ++c) dst[i * WIDTH + c] = src[c * quads + i];
 }
 
-inline __m512i broadcast4(const int8_t* p) {
+inline int32_t quad(const int8_t* p) {
     int32_t v;
     memcpy(&v, p, sizeof v);
-    return _mm512_set1_epi32(v);
+    return v;
+}
+
+// dots[r][g] = the integer sums of block b: quants (u - offset for Q4_0 / Q5_0 / Q8_0 + 128) x input row r.
+template <int TYPE, int ROWS>
+inline void block_dots(const uint8_t* q, const int8_t* const* xq, int64_t b, Vi (*dots)[GROUPS]) {
+#ifdef MIXSERVE_INT8_VNNI
+    for (int r = 0; r < ROWS; ++r)
+        for (int g = 0; g < GROUPS; ++g) dots[r][g] = vi_zero();
+    for (int t = 0; t < 8; ++t) {
+        Vi wv[GROUPS];
+        for (int g = 0; g < GROUPS; ++g) wv[g] = vi_load(q + (t * WIDTH + g * LANES) * 4);
+        for (int r = 0; r < ROWS; ++r) {
+            const Vi a = vi_set1(quad(xq[r] + b * 32 + 4 * t));
+            for (int g = 0; g < GROUPS; ++g) dots[r][g] = _mm512_dpbusd_epi32(dots[r][g], wv[g], a);
+        }
+    }
+#else
+    // quads whose 16-bit pair sums add without overflow: 2 x 15 x 127 x 8, 2 x 31 x 127 x 4, 2 x 128 x 127
+    constexpr int RUN = TYPE == mixserve::Q4_0 || TYPE == mixserve::Q4_1 ? 8 : TYPE == mixserve::Q8_0 ? 1 : 4;
+    const Vi ones = _mm256_set1_epi16(1);
+    Vi pairs[ROWS][GROUPS];
+    for (int t = 0; t < 8; ++t) {
+        Vi wv[GROUPS], uv[GROUPS];
+        for (int g = 0; g < GROUPS; ++g) {
+            wv[g] = vi_load(q + (t * WIDTH + g * LANES) * 4);
+            uv[g] = TYPE == mixserve::Q8_0 ? _mm256_sign_epi8(wv[g], wv[g]) : wv[g];
+        }
+        for (int r = 0; r < ROWS; ++r) {
+            const Vi a = vi_set1(quad(xq[r] + b * 32 + 4 * t));
+            for (int g = 0; g < GROUPS; ++g) {
+                const Vi p = _mm256_maddubs_epi16(uv[g], TYPE == mixserve::Q8_0 ? _mm256_sign_epi8(a, wv[g]) : a);
+                pairs[r][g] = t % RUN == 0 ? p : _mm256_add_epi16(pairs[r][g], p);
+                if (t % RUN == RUN - 1) {
+                    const Vi wide = _mm256_madd_epi16(pairs[r][g], ones);
+                    dots[r][g] = t < RUN ? wide : _mm256_add_epi32(dots[r][g], wide);
+                }
+            }
+        }
+    }
+#endif
 }
 
 // out rows r0.. (ROWS of them) x the panel's `valid` outputs.
@@ -91,45 +158,33 @@ template <int TYPE, int ROWS>
 void panel_rows(const Panel& p, const InputQ8& x, int64_t r0, int64_t k, const float* bias, float* out,
                 int64_t ldo, int64_t valid) {
     const int64_t nb = k / 32;
-    __m512 acc[ROWS][GROUPS], mins[ROWS][GROUPS];
-    for (int r = 0; r < ROWS; ++r)
-        for (int g = 0; g < GROUPS; ++g) acc[r][g] = mins[r][g] = _mm512_setzero_ps();
+    const int8_t* xq[ROWS];
+    Vf acc[ROWS][GROUPS];
+    for (int r = 0; r < ROWS; ++r) {
+        xq[r] = x.q.data() + (r0 + r) * k;
+        for (int g = 0; g < GROUPS; ++g) acc[r][g] = vzero();
+    }
     for (int64_t b = 0; b < nb; ++b) {
-        __m512i dots[ROWS][GROUPS];
-        for (int r = 0; r < ROWS; ++r)
-            for (int g = 0; g < GROUPS; ++g) dots[r][g] = _mm512_setzero_si512();
-        const uint8_t* q = p.q.data() + b * 8 * WIDTH * 4;
-        for (int t = 0; t < 8; ++t) {
-            __m512i wv[GROUPS];
-            for (int g = 0; g < GROUPS; ++g) wv[g] = _mm512_loadu_si512(q + (t * WIDTH + g * 16) * 4);
-            for (int r = 0; r < ROWS; ++r) {
-                const __m512i a = broadcast4(x.q.data() + (r0 + r) * k + b * 32 + 4 * t);
-                for (int g = 0; g < GROUPS; ++g) dots[r][g] = _mm512_dpbusd_epi32(dots[r][g], wv[g], a);
-            }
-        }
+        Vi dots[ROWS][GROUPS];
+        block_dots<TYPE, ROWS>(p.q.data() + b * 8 * WIDTH * 4, xq, b, dots);
         const int64_t xb = r0 * nb + b;
         for (int g = 0; g < GROUPS; ++g) {
-            const __m512 dv = _mm512_loadu_ps(p.d.data() + b * WIDTH + g * 16);
-            const __m512 mv = _mm512_loadu_ps(p.min.data() + b * WIDTH + g * 16);
+            const Vf dv = vload(p.d.data() + b * WIDTH + g * LANES);
             for (int r = 0; r < ROWS; ++r) {
-                __m512i dot = dots[r][g];
+                Vi dot = dots[r][g];
                 if constexpr (offset_of<TYPE>() != 0)
-                    dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset_of<TYPE>() * x.sum[xb + r * nb]));
-                const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(x.d[xb + r * nb]));
-                acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][g]);
+                    dot = vi_sub(dot, vi_set1(offset_of<TYPE>() * x.sum[xb + r * nb]));
+                acc[r][g] = vfmadd(vi_float(dot), dv * vbroadcast(x.d[xb + r * nb]), acc[r][g]);
                 if constexpr (has_min<TYPE>())
-                    mins[r][g] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.s[xb + r * nb]), mins[r][g]);
+                    acc[r][g] = vfmadd(vload(p.min.data() + b * WIDTH + g * LANES), vbroadcast(x.s[xb + r * nb]),
+                                       acc[r][g]);
             }
         }
     }
     for (int g = 0; g < GROUPS; ++g) {
-        const int64_t left = valid - 16 * g;
-        if (left <= 0) break;
-        const __mmask16 m = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
-        const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + 16 * g) : _mm512_setzero_ps();
-        for (int r = 0; r < ROWS; ++r)
-            _mm512_mask_storeu_ps(out + r * ldo + 16 * g, m,
-                                  _mm512_add_ps(_mm512_add_ps(acc[r][g], mins[r][g]), bv));
+        const Mask m = lanes(valid, g);
+        const Vf bv = bias ? vload_masked(m, bias + LANES * g) : vzero();
+        for (int r = 0; r < ROWS; ++r) vstore_masked(out + r * ldo + LANES * g, m, vadd(acc[r][g], bv));
     }
 }
 
@@ -181,7 +236,7 @@ void int8_panel_linear(const float* x, int64_t ldx, int64_t m, const uint8_t* w,
 extern "C" {
 
 // out (m, n) = x (m, k) @ w.T (+ bias) on int8-rounded inputs, for the 32-element formats; 0, or 1 for a type
-// or k it cannot take, 2 where the kernels lack AVX512-VNNI.
+// or k it cannot take, 2 where there are no such panels (AVX-512 without VNNI, or no AVX2).
 int mixserve_quant_int8_panel_linear(int type, const float* x, int64_t ldx, int64_t m, const void* data,
                                      int64_t row_bytes, int64_t n, int64_t k, const float* bias, float* out,
                                      int64_t ldo, int num_threads) {
