@@ -2,8 +2,8 @@
 
 Not a test. Run: .venv/bin/python bench/quant.py [--modes none,auto] [--steps 100] [--context 64]
 [--threads 0] [--model FILE] [--llama-bench PATH] [--json PATH]. A mode: auto, none, int8, or one of them
-with -bf16 (the model in bfloat16) and/or -body (auto-body: its decode steps through the Python layer body,
-not the C++ layer stack), in that order: auto-bf16-body.
+with -i8a (int8_activations on), -bf16 (the model in bfloat16) and/or -body (auto-body: its decode steps
+through the Python layer body, not the C++ layer stack), in that order: auto-i8a-bf16-body.
 Per mode, side by side: the weight bytes one decoded token reads (each layer's linears and the LM head:
 a QuantWeight's `.nbytes`, a float weight's parameter bytes; the embedding reads one row, so the table is
 not counted again when the head is tied to it), single-stream ms per token and tok/s, and peak and steady
@@ -49,6 +49,7 @@ BLOCK_SIZE, ROUND_STEPS, WARM_STEPS, RSS_BLOCKS = 16, 10, 3, 8
 MB = 1e6
 BODY = "-body"  # a mode's suffix: decode steps through the Python layer body (see `load`)
 BF16 = "-bf16"  # before -body: the model in bfloat16 (dtype, the opt-in for speed), not float32
+INT8_INPUTS = "-i8a"  # before -bf16: int8_activations on (inputs rounded to int8, integer dots)
 
 
 def kb_mb(kb: int) -> float:
@@ -79,8 +80,10 @@ def load(model: str, mode: str, num_blocks: int) -> ModelRunner:
     bfloat16."""
     base = mode.removesuffix(BODY)
     dtype = "bfloat16" if base.endswith(BF16) else "float32"
+    quantization = base.removesuffix(BF16)
     runner = ModelRunner.from_pretrained(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, device="cpu",
-                                         dtype=dtype, quantization=base.removesuffix(BF16))
+                                         dtype=dtype, quantization=quantization.removesuffix(INT8_INPUTS),
+                                         int8_activations=quantization.endswith(INT8_INPUTS))
     if mode.endswith(BODY):
         runner.model.stack = None
     return runner
