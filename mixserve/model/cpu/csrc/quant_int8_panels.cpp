@@ -1,4 +1,5 @@
-// Prefill chunks on the 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with int8 inputs (`int8_inputs`,
+// Prefill chunks on the 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), and every product on Q4_K / Q5_K
+// (their sub-blocks of 32 carry a scale and a minimum each, as Q4_1's blocks do), with int8 inputs (`int8_inputs`,
 // the opt-in for llama.cpp's rounding): the inputs rounded to int8 once per call in blocks of 32, as the few-row
 // integer dots (quant_dot.h) round them, and each thread's column panel of the weight decoded to bytes laid out
 // for integer dots: lane c of a vector holds 4 consecutive quants of output c, against one input's 4 bytes
@@ -59,7 +60,9 @@ constexpr int offset_of() {
     return TYPE == mixserve::Q4_0 ? 8 : TYPE == mixserve::Q5_0 ? 16 : TYPE == mixserve::Q8_0 && !SIGNED_Q8 ? 128 : 0;
 }
 template <int TYPE>
-constexpr bool has_min() { return TYPE == mixserve::Q4_1 || TYPE == mixserve::Q5_1; }
+constexpr bool has_min() {
+    return TYPE == mixserve::Q4_1 || TYPE == mixserve::Q5_1 || TYPE == mixserve::Q4_K || TYPE == mixserve::Q5_K;
+}
 
 // The input rows as int8 blocks: q (rows of k), d (scale), s (d times the block's sum), sum (the integer sum).
 struct InputQ8 {
@@ -74,9 +77,35 @@ struct Panel {
     std::vector<float> d, min;
 };
 
+// Block b (32 elements) of a weight row as the dot takes it: a 32-element format's block b, or sub-block b % 8
+// of a Q4_K / Q5_K super-block (w = d sc q - dmin mn, quant_blocks.h's decode_q4_k / decode_q5_k).
+template <int TYPE>
+inline WeightBlock block_of(const uint8_t* row, int64_t b) {
+    if constexpr (TYPE != mixserve::Q4_K && TYPE != mixserve::Q5_K) {
+        return mixserve::weight_block<TYPE>(row + b * mixserve::block_bytes(TYPE));
+    } else {
+        const uint8_t* s = row + b / 8 * mixserve::block_bytes(TYPE);
+        const int j = static_cast<int>(b % 8);
+        int sc, mn;
+        mixserve::scale_min_k4(j, s + 4, &sc, &mn);
+        const uint8_t* q = s + (TYPE == mixserve::Q4_K ? 16 : 48) + 32 * (j / 2);  // sub-blocks 2i, 2i + 1
+        const __m256i low = _mm256_set1_epi8(0x0f);
+        __m256i u = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)),
+                                                       4 * (j & 1)), low);
+        if constexpr (TYPE == mixserve::Q5_K) {  // bit j of qh[l] tops element l with 16
+            const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16));
+            const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1));
+            u = _mm256_or_si256(u, _mm256_slli_epi16(bit, 4));
+        }
+        const float d = mixserve::half_to_float(mixserve::read_half(s));
+        const float dmin = mixserve::half_to_float(mixserve::read_half(s + 2));
+        return {u, __m256i{}, d * sc, -dmin * mn, false};
+    }
+}
+
 template <int TYPE>
 void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t j0, int64_t valid, Panel& p) {
-    const int64_t nb = k / 32, bb = mixserve::block_bytes(TYPE);
+    const int64_t nb = k / 32;
     for (int64_t c = 0; c < WIDTH; ++c) {
         uint8_t* row = p.strip.data() + c * k;
         if (c >= valid) {
@@ -84,9 +113,8 @@ void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t j0, in
             for (int64_t b = 0; b < nb; ++b) p.d[b * WIDTH + c] = p.min[b * WIDTH + c] = 0.f;
             continue;
         }
-        const uint8_t* blk = w + (j0 + c) * row_bytes;
-        for (int64_t b = 0; b < nb; ++b, blk += bb) {
-            const WeightBlock wb = mixserve::weight_block<TYPE>(blk);
+        for (int64_t b = 0; b < nb; ++b) {
+            const WeightBlock wb = block_of<TYPE>(w + (j0 + c) * row_bytes, b);
             // Q8_0's quants: as they are (SIGNED_Q8), or + 128 (the sign bit flipped) for vpdpbusd
             const __m256i u = TYPE != mixserve::Q8_0 ? wb.u
                               : SIGNED_Q8 ? wb.sign : _mm256_xor_si256(wb.sign, _mm256_set1_epi8(-128));
@@ -129,7 +157,8 @@ inline void block_dots(const uint8_t* q, const int8_t* const* xq, int64_t b, Vi 
     }
 #else
     // quads whose 16-bit pair sums add without overflow: 2 x 15 x 127 x 8, 2 x 31 x 127 x 4, 2 x 128 x 127
-    constexpr int RUN = TYPE == mixserve::Q4_0 || TYPE == mixserve::Q4_1 ? 8 : TYPE == mixserve::Q8_0 ? 1 : 4;
+    constexpr int RUN = TYPE == mixserve::Q4_0 || TYPE == mixserve::Q4_1 || TYPE == mixserve::Q4_K ? 8
+                        : TYPE == mixserve::Q8_0 ? 1 : 4;
     const Vi ones = _mm256_set1_epi16(1);
     Vi pairs[ROWS][GROUPS];
     for (int t = 0; t < 8; ++t) {
@@ -235,25 +264,23 @@ void int8_panel_linear(const float* x, int64_t ldx, int64_t m, const uint8_t* w,
 
 extern "C" {
 
-// out (m, n) = x (m, k) @ w.T (+ bias) on int8-rounded inputs, for the 32-element formats; 0, or 1 for a type
+// out (m, n) = x (m, k) @ w.T (+ bias) on int8-rounded inputs, for the 32-element formats, Q4_K and Q5_K; 0,
+// or 1 for a type
 // or k it cannot take, 2 where there are no such panels (AVX-512 without VNNI, or no AVX2).
 int mixserve_quant_int8_panel_linear(int type, const float* x, int64_t ldx, int64_t m, const void* data,
                                      int64_t row_bytes, int64_t n, int64_t k, const float* bias, float* out,
                                      int64_t ldo, int num_threads) {
 #ifdef MIXSERVE_INT8_PANELS
-    if (k <= 0 || k % 32 != 0) return 1;
+    const int64_t be = mixserve::block_elems(type);
+    if (be == 0 || k <= 0 || k % be != 0 || k % 32 != 0) return 1;
     const uint8_t* w = static_cast<const uint8_t*>(data);
+#define MIXSERVE_INT8_CASE(T) \
+    case mixserve::T: int8_panel_linear<mixserve::T>(x, ldx, m, w, row_bytes, n, k, bias, out, ldo, num_threads); \
+        return 0;
     switch (type) {
-        case mixserve::Q4_0: int8_panel_linear<mixserve::Q4_0>(x, ldx, m, w, row_bytes, n, k, bias, out, ldo,
-                                                               num_threads); return 0;
-        case mixserve::Q4_1: int8_panel_linear<mixserve::Q4_1>(x, ldx, m, w, row_bytes, n, k, bias, out, ldo,
-                                                               num_threads); return 0;
-        case mixserve::Q5_0: int8_panel_linear<mixserve::Q5_0>(x, ldx, m, w, row_bytes, n, k, bias, out, ldo,
-                                                               num_threads); return 0;
-        case mixserve::Q5_1: int8_panel_linear<mixserve::Q5_1>(x, ldx, m, w, row_bytes, n, k, bias, out, ldo,
-                                                               num_threads); return 0;
-        case mixserve::Q8_0: int8_panel_linear<mixserve::Q8_0>(x, ldx, m, w, row_bytes, n, k, bias, out, ldo,
-                                                               num_threads); return 0;
+        MIXSERVE_INT8_CASE(Q4_0) MIXSERVE_INT8_CASE(Q4_1) MIXSERVE_INT8_CASE(Q5_0) MIXSERVE_INT8_CASE(Q5_1)
+        MIXSERVE_INT8_CASE(Q8_0) MIXSERVE_INT8_CASE(Q4_K) MIXSERVE_INT8_CASE(Q5_K)
+#undef MIXSERVE_INT8_CASE
         default: return 1;
     }
 #else

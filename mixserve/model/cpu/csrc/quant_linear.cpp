@@ -226,6 +226,10 @@ int mixserve_quant_linear(int type, const float* x, int64_t ldx, int64_t m, cons
         return 0;
     }
 #endif
+    // Q4_K / Q5_K have int8 panels but no few-row integer kernel: below INT8_PANEL_ROWS, float32 products
+    if (int8_inputs && (type == mixserve::Q4_K || type == mixserve::Q5_K) && m >= INT8_PANEL_ROWS &&
+        mixserve_quant_int8_panel_linear(type, x, ldx, m, data, row_bytes, n, k, bias, out, ldo, num_threads) == 0)
+        return 0;
 #ifdef MIXSERVE_FEW_ROW_SIMD
     if (m >= PANEL_ROWS)
         return mixserve_quant_panel_linear(type, x, ldx, m, data, row_bytes, n, k, scales, bias, out, ldo,
