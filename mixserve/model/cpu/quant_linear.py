@@ -32,7 +32,7 @@ FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q
            8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
            13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), INT8_ROW: ("int8", 1, 1)}
 FEW_ROWS = 32  # up to this many rows the block kernel; above, decoded panels (see the record)
-INT8_FORMATS = frozenset({2, 3, 6, 7, 8, 12, 13})  # the formats with integer-dot kernels (not Q6_K, int8)
+INT8_FORMATS = frozenset({2, 3, 6, 7, 8, 12, 13})  # formats with integer-dot kernels (not Q6_K, int8)
 # Q4_K / Q5_K have them from this many rows only (the panels; the block kernel's float32 is faster below):
 # csrc/quant_linear.cpp's INT8_PANEL_ROWS
 INT8_PANEL_ROWS = 6
