@@ -112,11 +112,11 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float = 600) -> Non
     raise RuntimeError(f"{base} not ready after {timeout_s} s")
 
 
-def server_command(system: str, spec: bool, port: int, dtype: str = "auto") -> list[str]:
+def server_command(system: str, spec: bool, port: int, dtype: str = "auto", int8: bool = False) -> list[str]:
     if system == "mixserve":
         return [str(ROOT / ".venv/bin/mixserve"), "serve", "--port", str(port), "--max-model-len", "2048",
                 "--speculative", "ngram" if spec else "", "--num-speculative-tokens", str(SPEC_TOKENS),
-                "--dtype", dtype]
+                "--dtype", dtype, "--int8-activations", "on" if int8 else "off"]
     if system == "llamacpp":
         extra = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",
                  "--spec-ngram-simple-size-m", str(SPEC_TOKENS)] if spec else []
@@ -130,10 +130,11 @@ def server_command(system: str, spec: bool, port: int, dtype: str = "auto") -> l
     raise ValueError(f"unknown system {system!r}")
 
 
-def measure(system: str, spec: bool, port: int, loads: dict[str, tuple], dtype: str) -> dict:
+def measure(system: str, spec: bool, port: int, loads: dict[str, tuple], dtype: str,
+            int8: bool = False) -> dict:
     """Start the server, warm it, run every load, stop it; the loads' figures."""
     base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(server_command(system, spec, port, dtype), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(server_command(system, spec, port, dtype, int8), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_ready(base, proc)
@@ -164,6 +165,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8031)
     ap.add_argument("--out", default=None, help="write the JSON report here")
     ap.add_argument("--dtype", default="auto", help="mixserve's --dtype (bfloat16: the opt-in for speed)")
+    ap.add_argument("--int8-activations", action="store_true", help="mixserve's --int8-activations on")
     args = ap.parse_args()
     from mixserve.model.loader import default_model_path
     from mixserve.model.tokenizer import load_tokenizer
@@ -181,7 +183,7 @@ def main() -> None:
             for spec in ((False, True) if r % 2 == 0 else (True, False)):
                 key = f"{system} {'ngram' if spec else 'off'}"
                 try:
-                    result = measure(system, spec, args.port, loads, args.dtype)
+                    result = measure(system, spec, args.port, loads, args.dtype, args.int8_activations)
                 except (RuntimeError, OSError) as e:  # a peer that cannot serve this setting
                     print(f"  {key}: {e}", flush=True)
                     continue
