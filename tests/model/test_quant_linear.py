@@ -46,12 +46,10 @@ def reference(raw: np.ndarray, qtype: int) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).astype(np.float32))
 
 
-def int8_dot(w: ql.QuantWeight, rows: int) -> bool:
-    """This product is integer dots on int8-rounded inputs: `w` marked `int8_inputs`, every segment a format
-    with them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 at any rows; Q4_K, Q5_K from INT8_PANEL_ROWS rows)."""
-    return w.int8_inputs and all(s.qtype in ql.INT8_FORMATS and (rows >= ql.INT8_PANEL_ROWS
-                                                                 or s.qtype not in ql.K_INT8_FORMATS)
-                                 for s in w.segments)
+def int8_dot(w: ql.QuantWeight) -> bool:
+    """This product is integer dots on int8-rounded inputs, at any number of rows: `w` marked `int8_inputs`,
+    every segment a format with them (C++ int8_dot_type: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K)."""
+    return w.int8_inputs and all(s.qtype in ql.INT8_FORMATS for s in w.segments)
 
 
 def as_tested(w: ql.QuantWeight, int8_inputs: bool) -> ql.QuantWeight:
@@ -139,10 +137,10 @@ def test_linear_equals_the_dequantized_matmul(int8_inputs: bool, qtype: int, row
     deq = ql.dequantize(w)
     g = torch.Generator().manual_seed(rows)
     x, bias = torch.randn(rows, K, generator=g), torch.randn(N, generator=g)
-    assert_linear_close(ql.linear(x, w, bias), x, deq, bias, int8_dot(w, rows))
-    assert_linear_close(ql.linear(x, w, None), x, deq, None, int8_dot(w, rows))
+    assert_linear_close(ql.linear(x, w, bias), x, deq, bias, int8_dot(w))
+    assert_linear_close(ql.linear(x, w, None), x, deq, None, int8_dot(w))
     wide = torch.cat([x, torch.randn(rows, 32, generator=g)], dim=1)[:, :K]  # row stride > k
-    assert_linear_close(ql.linear(wide, w, bias), x, deq, bias, int8_dot(w, rows))
+    assert_linear_close(ql.linear(wide, w, bias), x, deq, bias, int8_dot(w))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
@@ -184,8 +182,8 @@ def test_panel_product_covers_every_panel_and_strip(two_threads: None, int8_inpu
     w = ql.quantize_int8(torch.randn(n, k, generator=g)) if qtype == ql.INT8_ROW else weight(qtype, n, k, 7)
     w = as_tested(w, int8_inputs)  # int8: the VNNI panels are 32 wide, so 150 is 5 (an odd count), 300 is 10
     x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
-    assert_linear_close(ql.linear(x, w, bias), x, ql.dequantize(w), bias, int8_dot(w, rows))
-    assert_linear_close(ql.linear(x, w, None), x, ql.dequantize(w), None, int8_dot(w, rows))
+    assert_linear_close(ql.linear(x, w, bias), x, ql.dequantize(w), bias, int8_dot(w))
+    assert_linear_close(ql.linear(x, w, None), x, ql.dequantize(w), None, int8_dot(w))
 
 
 def test_map_rows_permutes_rows_and_scales() -> None:
@@ -252,7 +250,7 @@ def test_bf16_inputs_are_computed_in_float32_and_rounded_once(int8_inputs: bool,
         return
     want = ql.linear(x.float(), w, bias.float())  # the float32 result (checked above), rounded once to bf16
     assert torch.equal(got, want.bfloat16())
-    assert_linear_close(want, x.float(), deq, bias.float(), int8_dot(w, rows))
+    assert_linear_close(want, x.float(), deq, bias.float(), int8_dot(w))
 
 
 @pytest.mark.parametrize("n", [150, 300])

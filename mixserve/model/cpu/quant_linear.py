@@ -7,7 +7,7 @@ panel of the weight at a time to float32 in cache and multiply it there (csrc/qu
 compute, not the bytes, is the cost, so a bf16 model (dtype bfloat16) decodes them to bf16 pairs instead and
 multiplies with vdpbf16ps, half the instructions, where the CPU has AVX512-BF16. A weight marked
 `int8_inputs` (`[engine] int8_activations`, the opt-in for llama.cpp's rounding) multiplies inputs rounded to
-int8 per block of 32 instead, in integer dots: the block kernel for few rows (csrc/quant_dot.h), VNNI panels
+int8 per block of 32 instead, in integer dots: the block kernel for few rows (csrc/quant_dot.h), integer-dot panels
 for more (csrc/quant_int8_panels.cpp). docs/decisions/quantized-weights-in-place.md and
 docs/decisions/int8-activations.md have the measurements behind each path and its row threshold.
 """
@@ -33,10 +33,6 @@ FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q
            13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), INT8_ROW: ("int8", 1, 1)}
 FEW_ROWS = 32  # up to this many rows the block kernel; above, decoded panels (see the record)
 INT8_FORMATS = frozenset({2, 3, 6, 7, 8, 12, 13})  # formats with integer-dot kernels (not Q6_K, int8)
-# Q4_K / Q5_K have them from this many rows only (the panels; the block kernel's float32 is faster below):
-# csrc/quant_linear.cpp's INT8_PANEL_ROWS
-INT8_PANEL_ROWS = 6
-K_INT8_FORMATS = frozenset({12, 13})
 # bf16 inputs (dtype bfloat16, the opt-in for speed): from this many rows on, the panels rounded to bf16 pairs
 # and multiplied by the inputs as they are (vdpbf16ps, float32 sums) where the kernels have AVX512-BF16;
 # below, the block kernel's float32 products is faster

@@ -1,4 +1,4 @@
-// Few-row products of the 32-element block formats (Q4_0, Q4_1, Q8_0) as integer dot products, as llama.cpp
+// Few-row products of the 32-element formats and of Q4_K / Q5_K's sub-blocks as integer dots, as llama.cpp
 // computes them: each input row is quantized once per call to int8 in blocks of 32 (a scale per block), and
 // a weight block's 32 quants meet the input block's 32 in one u8 x s8 dot (AVX512-VNNI's vpdpbusd on 256 bits,
 // else AVX2's vpmaddubsw + vpmaddwd): 32 products an instruction or two, where float32 needs 4-8 FMAs plus the
@@ -113,6 +113,34 @@ inline WeightBlock weight_block(const uint8_t* w) {
     }
 }
 
+// Sub-block j (0..7, 32 elements) of a Q4_K / Q5_K super-block as the dot takes it: w = d sc q - dmin mn
+// (quant_blocks.h's decode_q4_k / decode_q5_k), a scale and a minimum as a Q4_1 block has.
+template <int TYPE>
+inline WeightBlock k_sub_block(const uint8_t* s, int j) {
+    int sc, mn;
+    scale_min_k4(j, s + 4, &sc, &mn);
+    const uint8_t* q = s + (TYPE == Q4_K ? 16 : 48) + 32 * (j / 2);  // 32 bytes hold sub-blocks 2i, 2i + 1
+    __m256i u = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)),
+                                                   4 * (j & 1)), _mm256_set1_epi8(0x0f));
+    if constexpr (TYPE == Q5_K) {  // bit j of qh[l] tops element l with 16
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16));
+        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1));
+        u = _mm256_or_si256(u, _mm256_slli_epi16(bit, 4));
+    }
+    const float d = half_to_float(read_half(s)), dmin = half_to_float(read_half(s + 2));
+    return {u, __m256i{}, d * sc, -dmin * mn, false};
+}
+
+template <int TYPE>
+constexpr bool k_quant() { return TYPE == Q4_K || TYPE == Q5_K; }
+
+// Block b (32 elements) of a weight row: a 32-element format's block, or a K-quant's sub-block.
+template <int TYPE>
+inline WeightBlock block_at(const uint8_t* row, int64_t b) {
+    if constexpr (k_quant<TYPE>()) return k_sub_block<TYPE>(row + b / 8 * block_bytes(TYPE), static_cast<int>(b % 8));
+    else return weight_block<TYPE>(row + b * block_bytes(TYPE));
+}
+
 template <int TYPE>
 inline __m256i block_dot(const WeightBlock& wb, const int8_t* xq) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
@@ -153,12 +181,18 @@ void dot_q8_pass(const uint8_t* w, int64_t row_bytes, int cols, const RowQ8* x, 
     float mins[COLS][ROWS] = {};
     for (int c = 0; c < COLS; ++c)
         for (int r = 0; r < ROWS; ++r) acc[c][r] = _mm256_setzero_ps();
-    walk_blocks<COLS>(w, row_bytes, cols, nb, block_bytes(TYPE), [&](int c, int64_t b, const uint8_t* blk) {
-        const WeightBlock wb = weight_block<TYPE>(blk);
-        for (int r = 0; r < ROWS; ++r) {
-            const __m256 dot = _mm256_cvtepi32_ps(block_dot<TYPE>(wb, x[r].q + 32 * b));
-            acc[c][r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(wb.scale * x[r].d[b]), acc[c][r]);
-            mins[c][r] += wb.min * x[r].s[b];
+    constexpr int SUBS = k_quant<TYPE>() ? 8 : 1;  // blocks of 32 a block of the format holds
+    walk_blocks<COLS>(w, row_bytes, cols, nb / SUBS, block_bytes(TYPE), [&](int c, int64_t b, const uint8_t* blk) {
+        for (int j = 0; j < SUBS; ++j) {
+            WeightBlock wb;
+            if constexpr (k_quant<TYPE>()) wb = k_sub_block<TYPE>(blk, j);
+            else wb = weight_block<TYPE>(blk);
+            const int64_t xb = b * SUBS + j;
+            for (int r = 0; r < ROWS; ++r) {
+                const __m256 dot = _mm256_cvtepi32_ps(block_dot<TYPE>(wb, x[r].q + 32 * xb));
+                acc[c][r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(wb.scale * x[r].d[xb]), acc[c][r]);
+                mins[c][r] += wb.min * x[r].s[xb];
+            }
         }
     });
     for (int c = 0; c < cols; ++c)

@@ -1,8 +1,8 @@
-// Prefill chunks on the 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), and every product on Q4_K / Q5_K
-// (their sub-blocks of 32 carry a scale and a minimum each, as Q4_1's blocks do), with int8 inputs (`int8_inputs`,
-// the opt-in for llama.cpp's rounding): the inputs rounded to int8 once per call in blocks of 32, as the few-row
-// integer dots (quant_dot.h) round them, and each thread's column panel of the weight decoded to bytes laid out
-// for integer dots: lane c of a vector holds 4 consecutive quants of output c, against one input's 4 bytes
+// Prefill chunks on the 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and Q4_K / Q5_K (sub-blocks of 32
+// with a scale and a minimum each, as Q4_1's blocks) with int8 inputs (`int8_inputs`, the opt-in for
+// llama.cpp's rounding): the inputs rounded to int8 once per call in blocks of 32, as the few-row integer
+// dots (quant_dot.h) round them, and each thread's column panel of the weight decoded to bytes laid out for
+// integer dots: lane c of a vector holds 4 consecutive quants of output c, against one input's 4 bytes
 // broadcast. AVX512-VNNI: one vpdpbusd is 64 multiply-adds (16 outputs x 4), where float32 does 16 an FMA.
 // AVX2: vpmaddubsw's 16-bit pair sums are added in 16 bits over a whole block where they cannot overflow
 // (4-bit quants: 8 x 2 x 15 x 127 < 2^15), then widened once (vpmaddwd). The integer sums are exact; each
@@ -77,32 +77,6 @@ struct Panel {
     std::vector<float> d, min;
 };
 
-// Block b (32 elements) of a weight row as the dot takes it: a 32-element format's block b, or sub-block b % 8
-// of a Q4_K / Q5_K super-block (w = d sc q - dmin mn, quant_blocks.h's decode_q4_k / decode_q5_k).
-template <int TYPE>
-inline WeightBlock block_of(const uint8_t* row, int64_t b) {
-    if constexpr (TYPE != mixserve::Q4_K && TYPE != mixserve::Q5_K) {
-        return mixserve::weight_block<TYPE>(row + b * mixserve::block_bytes(TYPE));
-    } else {
-        const uint8_t* s = row + b / 8 * mixserve::block_bytes(TYPE);
-        const int j = static_cast<int>(b % 8);
-        int sc, mn;
-        mixserve::scale_min_k4(j, s + 4, &sc, &mn);
-        const uint8_t* q = s + (TYPE == mixserve::Q4_K ? 16 : 48) + 32 * (j / 2);  // sub-blocks 2i, 2i + 1
-        const __m256i low = _mm256_set1_epi8(0x0f);
-        __m256i u = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)),
-                                                       4 * (j & 1)), low);
-        if constexpr (TYPE == mixserve::Q5_K) {  // bit j of qh[l] tops element l with 16
-            const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16));
-            const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1));
-            u = _mm256_or_si256(u, _mm256_slli_epi16(bit, 4));
-        }
-        const float d = mixserve::half_to_float(mixserve::read_half(s));
-        const float dmin = mixserve::half_to_float(mixserve::read_half(s + 2));
-        return {u, __m256i{}, d * sc, -dmin * mn, false};
-    }
-}
-
 template <int TYPE>
 void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t j0, int64_t valid, Panel& p) {
     const int64_t nb = k / 32;
@@ -114,7 +88,7 @@ void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t j0, in
             continue;
         }
         for (int64_t b = 0; b < nb; ++b) {
-            const WeightBlock wb = block_of<TYPE>(w + (j0 + c) * row_bytes, b);
+            const WeightBlock wb = mixserve::block_at<TYPE>(w + (j0 + c) * row_bytes, b);
             // Q8_0's quants: as they are (SIGNED_Q8), or + 128 (the sign bit flipped) for vpdpbusd
             const __m256i u = TYPE != mixserve::Q8_0 ? wb.u
                               : SIGNED_Q8 ? wb.sign : _mm256_xor_si256(wb.sign, _mm256_set1_epi8(-128));

@@ -130,7 +130,7 @@ void column_pairs(int64_t m, int64_t n, const float* bias, float* out, int64_t l
 #ifdef MIXSERVE_QUANT_DOT
 bool int8_dot_type(int type) {
     return type == mixserve::Q4_0 || type == mixserve::Q4_1 || type == mixserve::Q5_0 || type == mixserve::Q5_1 ||
-           type == mixserve::Q8_0;
+           type == mixserve::Q8_0 || type == mixserve::Q4_K || type == mixserve::Q5_K;
 }
 
 template <int TYPE, int COLS2>
@@ -152,6 +152,8 @@ void q8_rows(int rows, int type, const uint8_t* w, int64_t row_bytes, int cols, 
         case mixserve::Q4_1: return q8_rows_of<mixserve::Q4_1, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
         case mixserve::Q5_0: return q8_rows_of<mixserve::Q5_0, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
         case mixserve::Q5_1: return q8_rows_of<mixserve::Q5_1, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
+        case mixserve::Q4_K: return q8_rows_of<mixserve::Q4_K, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
+        case mixserve::Q5_K: return q8_rows_of<mixserve::Q5_K, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
         default: return q8_rows_of<mixserve::Q8_0, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
     }
 }
@@ -226,10 +228,6 @@ int mixserve_quant_linear(int type, const float* x, int64_t ldx, int64_t m, cons
         return 0;
     }
 #endif
-    // Q4_K / Q5_K have int8 panels but no few-row integer kernel: below INT8_PANEL_ROWS, float32 products
-    if (int8_inputs && (type == mixserve::Q4_K || type == mixserve::Q5_K) && m >= INT8_PANEL_ROWS &&
-        mixserve_quant_int8_panel_linear(type, x, ldx, m, data, row_bytes, n, k, bias, out, ldo, num_threads) == 0)
-        return 0;
 #ifdef MIXSERVE_FEW_ROW_SIMD
     if (m >= PANEL_ROWS)
         return mixserve_quant_panel_linear(type, x, ldx, m, data, row_bytes, n, k, scales, bias, out, ldo,
