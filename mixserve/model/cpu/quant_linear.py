@@ -7,8 +7,8 @@ panel of the weight at a time to float32 in cache and multiply it there (csrc/qu
 compute, not the bytes, is the cost, so a bf16 model (dtype bfloat16) decodes them to bf16 pairs instead and
 multiplies with vdpbf16ps, half the instructions, where the CPU has AVX512-BF16. A weight marked
 `int8_inputs` (`[engine] int8_activations`, the opt-in for llama.cpp's rounding) multiplies inputs rounded to
-int8 per block of 32 instead, in integer dots: the block kernel for few rows (csrc/quant_dot.h), integer-dot panels
-for more (csrc/quant_int8_panels.cpp). docs/decisions/quantized-weights-in-place.md and
+int8 per block of 32 instead, in integer dots: the block kernel for few rows (csrc/quant_dot.h), panels of
+bytes for more (csrc/quant_int8_panels.cpp). docs/decisions/quantized-weights-in-place.md and
 docs/decisions/int8-activations.md have the measurements behind each path and its row threshold.
 """
 
