@@ -93,13 +93,13 @@ def load_model(
     path = resolve_model_path(model)
     mode = quant.resolve(quantization, torch.device(device))
     cfg, sd, inv_freq = load_weights(path, keep_blocks=mode == "auto")
-    if int8_activations:
+    if int8_activations and mode != "int8":  # int8: marked as quantize_int8 makes them
         sd = quant.with_int8_inputs(sd)
     module = DecoderModel(cfg, dtype=dtype, device=device)
     module.load_hf_weights(sd, str(path), inv_freq=inv_freq)
     del sd
     if mode == "int8":
-        quant.quantize_int8(module)
+        quant.quantize_int8(module, int8_inputs=int8_activations)
     eos = cfg.eos_token_ids
     if path.is_dir():
         from mixserve.model.hf_loader import generation_eos_ids

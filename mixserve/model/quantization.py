@@ -46,16 +46,21 @@ def with_int8_inputs(sd: dict[str, object]) -> dict[str, object]:
 
     marked = {k: with_int8_inputs(v) if isinstance(v, QuantWeight) else v for k, v in sd.items()}
     if not any(isinstance(v, QuantWeight) and v.int8_inputs for v in marked.values()):
-        log.warning("int8_activations: no weight kept quantized is Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 (the "
-                    "formats with integer dots); the inputs stay float")
+        log.warning("int8_activations: no weight kept quantized is Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K "
+                    "or int8 (the formats with integer dots); the inputs stay float")
     return marked
 
 
 @torch.no_grad()
-def quantize_int8(model) -> None:
+def quantize_int8(model, int8_inputs: bool = False) -> None:
     """Replace the dense linears, the token table and the head of a loaded DecoderModel by int8 per channel
-    (the experts of a MoE layer stay as loaded)."""
+    (the experts of a MoE layer stay as loaded); `int8_inputs` (`[engine] int8_activations`): marked to
+    multiply int8-rounded inputs, W8A8 as integer dots."""
     from mixserve.model.cpu import quant_linear
+
+    def int8(w: torch.Tensor) -> quant_linear.QuantWeight:
+        q = quant_linear.quantize_int8(w)
+        return quant_linear.with_int8_inputs(q) if int8_inputs else q
     from mixserve.model.mlp import GatedMlp
     from mixserve.model.weights import replace_weight
 
@@ -63,6 +68,6 @@ def quantize_int8(model) -> None:
     for layer in model.layers:
         for owner, attr in ((layer, "qkv"), (layer, "o_proj"), (layer.mlp, "gate_up"), (layer.mlp, "down")):
             if owner is layer or isinstance(owner, GatedMlp):
-                replace_weight(owner, attr, quant_linear.quantize_int8(getattr(owner, attr)))
-    replace_weight(model, "embed", quant_linear.quantize_int8(model.embed))
-    replace_weight(model, "lm_head", model.embed if tied else quant_linear.quantize_int8(model.lm_head))
+                replace_weight(owner, attr, int8(getattr(owner, attr)))
+    replace_weight(model, "embed", int8(model.embed))
+    replace_weight(model, "lm_head", model.embed if tied else int8(model.lm_head))

@@ -48,7 +48,8 @@ def reference(raw: np.ndarray, qtype: int) -> torch.Tensor:
 
 def int8_dot(w: ql.QuantWeight) -> bool:
     """This product is integer dots on int8-rounded inputs, at any number of rows: `w` marked `int8_inputs`,
-    every segment a format with them (C++ int8_dot_type: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K)."""
+    every segment a format with them (C++ int8_dot_takes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, and int8
+    per channel where k is a multiple of 32, which with_int8_inputs checks)."""
     return w.int8_inputs and all(s.qtype in ql.INT8_FORMATS for s in w.segments)
 
 
@@ -170,14 +171,15 @@ def test_cat_of_formats_equals_the_dequantized_concatenation(int8_inputs: bool, 
 
 @pytest.mark.parametrize("n", [150, 300])
 @pytest.mark.parametrize("rows", [ql.FEW_ROWS + 1, 133])
-@pytest.mark.parametrize(("qtype", "k"), [(3, 576), (8, 608), (14, 768), (ql.INT8_ROW, 301)],
-                         ids=["Q4_1", "Q8_0", "Q6_K", "int8"])
+@pytest.mark.parametrize(("qtype", "k"),
+                         [(3, 576), (8, 608), (14, 768), (ql.INT8_ROW, 301), (ql.INT8_ROW, 608)],
+                         ids=["Q4_1", "Q8_0", "Q6_K", "int8", "int8-k608"])
 def test_panel_product_covers_every_panel_and_strip(two_threads: None, int8_inputs: bool, qtype: int, k: int,
                                                     rows: int, n: int) -> None:
     """Past FEW_ROWS a weight of several column panels, the last one partial (64-wide panels on AVX-512, 16
     on AVX2; n = 300 makes an odd count the threads split, one panel's rows shared), and a k that ends in a
-    partial strip of 256 (int8: and in less than a vector): each panel and strip decoded to its place and
-    multiplied by every row."""
+    partial strip of 256 (int8: and in less than a vector, where its inputs stay float; k = 608 takes the
+    int8 panels): each panel and strip decoded to its place and multiplied by every row."""
     g = torch.Generator().manual_seed(rows + k)
     w = ql.quantize_int8(torch.randn(n, k, generator=g)) if qtype == ql.INT8_ROW else weight(qtype, n, k, 7)
     w = as_tested(w, int8_inputs)  # int8: the VNNI panels are 32 wide, so 150 is 5 (an odd count), 300 is 10
@@ -226,11 +228,14 @@ def test_int8_per_channel_error_is_at_most_half_a_step(k: int) -> None:
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("k", [96, 45])
-def test_int8_per_channel_linear_equals_its_dequantized_weight(rows: int, k: int) -> None:
+def test_int8_per_channel_linear_equals_its_dequantized_weight(int8_inputs: bool, rows: int, k: int) -> None:
+    """int8 inputs (W8A8): k = 96 integer dots (the block kernel, then the int8 panels), the row scales on the
+    sums; k = 45 is not marked (no blocks of 32) and keeps float products."""
     g = torch.Generator().manual_seed(rows * k)
-    q = ql.quantize_int8(torch.randn(N, k, generator=g))
+    q = as_tested(ql.quantize_int8(torch.randn(N, k, generator=g)), int8_inputs)
+    assert q.int8_inputs == (int8_inputs and k == 96)
     x, bias = torch.randn(rows, k, generator=g), torch.randn(N, generator=g)
-    assert_linear_close(ql.linear(x, q, bias), x, ql.dequantize(q), bias)
+    assert_linear_close(ql.linear(x, q, bias), x, ql.dequantize(q), bias, int8_dot(q))
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])

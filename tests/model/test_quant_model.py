@@ -179,6 +179,24 @@ def test_int8_mode_on_an_hf_folder(tiny_model_dir: Path) -> None:
     assert max_rel(got, same) < SAME_WEIGHTS_TOL, max_rel(got, same)
 
 
+def test_int8_mode_with_int8_activations_is_w8a8(tiny_model_dir: Path) -> None:
+    """quantization int8 + int8_activations: every int8 weight (k = 64, 128: blocks of 32) marked, so its
+    products are integer dots on int8-rounded inputs; the logits move off the weight-only ones, and stay close
+    (measured 4.8e-2 of the largest |logit|)."""
+    if ql.unavailable() is not None:
+        pytest.skip(ql.unavailable())
+    runners = {a: ModelRunner.from_pretrained(str(tiny_model_dir), num_blocks=32, block_size=4, device="cpu",
+                                              quantization="int8", int8_activations=a) for a in (False, True)}
+    w8a8 = runners[True].model
+    assert all(getattr(o, a).int8_inputs for o, a in linears(w8a8))
+    assert not any(w.int8_inputs for w in quant_weights(runners[False].model).values())
+    prompt = runners[False].tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, w8a8.config.vocab_size, (8,), generator=g).tolist()
+    got, want = (teacher_forced(runners[a], prompt, tokens) for a in (True, False))
+    assert 1e-5 < max_rel(got, want) < 0.1, max_rel(got, want)  # rounded inputs (not float products), close
+
+
 def test_unknown_mode_is_one_line_model_load_error(tiny_model_dir: Path) -> None:
     with pytest.raises(ModelLoadError) as err:
         load_model(tiny_model_dir, quantization="int4")

@@ -57,7 +57,7 @@ SIGNATURES = {
     "mixserve_quant_decode_rows": [_I, _P, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _I],
     "mixserve_quant_panel_linear": [_I, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _I64, _I],
     "mixserve_quant_panel_linear_bf16": [_I, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _I64, _I],
-    "mixserve_quant_int8_panel_linear": [_I, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I],
+    "mixserve_quant_int8_panel_linear": [_I, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _I64, _I],
     "mixserve_decode_layers": [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _I],
     "mixserve_moe_experts": [_P, _P, _I64, _P, _I, _P, _P, _P, _P, _I64, _I64, _I, _P, _I],
     "mixserve_moe_dispatch": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I],

@@ -32,7 +32,8 @@ FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q
            8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
            13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), INT8_ROW: ("int8", 1, 1)}
 FEW_ROWS = 32  # up to this many rows the block kernel; above, decoded panels (see the record)
-INT8_FORMATS = frozenset({2, 3, 6, 7, 8, 12, 13})  # formats with integer-dot kernels (not Q6_K, int8)
+# formats with integer-dot kernels (not Q6_K); int8 per channel where k is a multiple of 32
+INT8_FORMATS = frozenset({2, 3, 6, 7, 8, 12, 13, INT8_ROW})
 # bf16 inputs (dtype bfloat16, the opt-in for speed): from this many rows on, the panels rounded to bf16 pairs
 # and multiplied by the inputs as they are (vdpbf16ps, float32 sums) where the kernels have AVX512-BF16;
 # below, the block kernel's float32 products is faster
@@ -137,8 +138,9 @@ def map_rows(w: QuantWeight, fn: Callable[[Tensor], Tensor]) -> QuantWeight:
 
 def with_int8_inputs(w: QuantWeight) -> QuantWeight:
     """`w` multiplying int8-rounded inputs (`[engine] int8_activations`): the same blocks, not copied; `w`
-    itself where no segment has an integer-dot kernel (its float32 products, bf16 panels, stay)."""
-    if not any(s.qtype in INT8_FORMATS for s in w.segments):
+    itself where no segment has an integer-dot kernel (its float32 products, bf16 panels, stay). The kernels
+    take inputs in blocks of 32: int8 rows of another k keep float products (as the C++ int8_dot_takes)."""
+    if w.k % 32 or not any(s.qtype in INT8_FORMATS for s in w.segments):
         return w
     return dataclasses.replace(w, int8_inputs=True)
 

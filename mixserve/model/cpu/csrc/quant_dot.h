@@ -1,4 +1,5 @@
-// Few-row products of the 32-element formats and of Q4_K / Q5_K's sub-blocks as integer dots, as llama.cpp
+// Few-row products of the 32-element formats, of Q4_K / Q5_K's sub-blocks and of int8 per channel (its rows
+// in runs of 32, the row's scale applied to the sums by the caller) as integer dots, as llama.cpp
 // computes them: each input row is quantized once per call to int8 in blocks of 32 (a scale per block), and
 // a weight block's 32 quants meet the input block's 32 in one u8 x s8 dot (AVX512-VNNI's vpdpbusd on 256 bits,
 // else AVX2's vpmaddubsw + vpmaddwd): 32 products an instruction or two, where float32 needs 4-8 FMAs plus the
@@ -107,11 +108,22 @@ inline WeightBlock weight_block(const uint8_t* w) {
     } else if constexpr (TYPE == Q5_1) {
         return {_mm256_or_si256(nibbles_u8(w + 8), fifth_bits_u8(w + 4)), __m256i{}, half_to_float(read_half(w)),
                 half_to_float(read_half(w + 2)), false};
-    } else {  // Q8_0: signed x signed as |w| x (x with w's sign)
+    } else if constexpr (TYPE == Q8_0) {  // signed x signed as |w| x (x with w's sign)
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
         return {_mm256_sign_epi8(q, q), q, half_to_float(read_half(w)), 0.f, true};
+    } else {  // INT8_ROW: 32 of a row's int8 values, as Q8_0's quants with a scale of 1
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+        return {_mm256_sign_epi8(q, q), q, 1.f, 0.f, true};
     }
 }
+
+// Formats whose quants are signed bytes: the dot takes |q| and moves q's signs onto the input.
+template <int TYPE>
+constexpr bool signed_quants() { return TYPE == Q8_0 || TYPE == INT8_ROW; }
+
+// Bytes of one unit of blocks the dots walk: a block of the format, or 32 values of an int8 row.
+template <int TYPE>
+inline int64_t unit_bytes() { return TYPE == INT8_ROW ? 32 : block_bytes(TYPE); }
 
 // Sub-block j (0..7, 32 elements) of a Q4_K / Q5_K super-block as the dot takes it: w = d sc q - dmin mn
 // (quant_blocks.h's decode_q4_k / decode_q5_k), a scale and a minimum as a Q4_1 block has.
@@ -138,13 +150,13 @@ constexpr bool k_quant() { return TYPE == Q4_K || TYPE == Q5_K; }
 template <int TYPE>
 inline WeightBlock block_at(const uint8_t* row, int64_t b) {
     if constexpr (k_quant<TYPE>()) return k_sub_block<TYPE>(row + b / 8 * block_bytes(TYPE), static_cast<int>(b % 8));
-    else return weight_block<TYPE>(row + b * block_bytes(TYPE));
+    else return weight_block<TYPE>(row + b * unit_bytes<TYPE>());
 }
 
 template <int TYPE>
 inline __m256i block_dot(const WeightBlock& wb, const int8_t* xq) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-    if constexpr (TYPE == Q8_0) return dot_u8s8(wb.u, _mm256_sign_epi8(x, wb.sign));
+    if constexpr (signed_quants<TYPE>()) return dot_u8s8(wb.u, _mm256_sign_epi8(x, wb.sign));
     return dot_u8s8(wb.u, x);
 }
 
@@ -182,7 +194,7 @@ void dot_q8_pass(const uint8_t* w, int64_t row_bytes, int cols, const RowQ8* x, 
     for (int c = 0; c < COLS; ++c)
         for (int r = 0; r < ROWS; ++r) acc[c][r] = _mm256_setzero_ps();
     constexpr int SUBS = k_quant<TYPE>() ? 8 : 1;  // blocks of 32 a block of the format holds
-    walk_blocks<COLS>(w, row_bytes, cols, nb / SUBS, block_bytes(TYPE), [&](int c, int64_t b, const uint8_t* blk) {
+    walk_blocks<COLS>(w, row_bytes, cols, nb / SUBS, unit_bytes<TYPE>(), [&](int c, int64_t b, const uint8_t* blk) {
         for (int j = 0; j < SUBS; ++j) {
             WeightBlock wb;
             if constexpr (k_quant<TYPE>()) wb = k_sub_block<TYPE>(blk, j);

@@ -1,5 +1,6 @@
-// Prefill chunks on the 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and Q4_K / Q5_K (sub-blocks of 32
-// with a scale and a minimum each, as Q4_1's blocks) with int8 inputs (`int8_inputs`, the opt-in for
+// Prefill chunks on the 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), Q4_K / Q5_K (sub-blocks of 32
+// with a scale and a minimum each, as Q4_1's blocks) and int8 per channel (as Q8_0, the row's scale for every
+// block's) with int8 inputs (`int8_inputs`, the opt-in for
 // llama.cpp's rounding): the inputs rounded to int8 once per call in blocks of 32, as the few-row integer
 // dots (quant_dot.h) round them, and each thread's column panel of the weight decoded to bytes laid out for
 // integer dots: lane c of a vector holds 4 consecutive quants of output c, against one input's 4 bytes
@@ -48,7 +49,7 @@ constexpr int TILE_ROWS = 2;  // 16 registers: 2 x 2 vectors each of 16-bit sums
 constexpr int GROUPS = 2, WIDTH = LANES * GROUPS;  // outputs a panel: two vectors
 
 #ifdef MIXSERVE_INT8_VNNI
-constexpr bool SIGNED_Q8 = false;  // Q8_0's quants + 128, unsigned as vpdpbusd's first operand wants
+constexpr bool SIGNED_Q8 = false;  // Q8_0's (and int8 rows') quants + 128, unsigned as vpdpbusd's first operand wants
 #else
 constexpr bool SIGNED_Q8 = true;  // kept signed: |q| x (x with q's sign), as quant_dot.h's AVX2 path does
 #endif
@@ -57,7 +58,9 @@ constexpr bool SIGNED_Q8 = true;  // kept signed: |q| x (x with q's sign), as qu
 // (exact); only Q4_1 / Q5_1 have a float minimum.
 template <int TYPE>
 constexpr int offset_of() {
-    return TYPE == mixserve::Q4_0 ? 8 : TYPE == mixserve::Q5_0 ? 16 : TYPE == mixserve::Q8_0 && !SIGNED_Q8 ? 128 : 0;
+    if constexpr (TYPE == mixserve::Q4_0) return 8;
+    if constexpr (TYPE == mixserve::Q5_0) return 16;
+    return mixserve::signed_quants<TYPE>() && !SIGNED_Q8 ? 128 : 0;
 }
 template <int TYPE>
 constexpr bool has_min() {
@@ -77,8 +80,10 @@ struct Panel {
     std::vector<float> d, min;
 };
 
+// scales: int8 per channel's, one a row (else null)
 template <int TYPE>
-void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t j0, int64_t valid, Panel& p) {
+void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t k, const float* scales, int64_t j0, int64_t valid,
+                  Panel& p) {
     const int64_t nb = k / 32;
     for (int64_t c = 0; c < WIDTH; ++c) {
         uint8_t* row = p.strip.data() + c * k;
@@ -90,10 +95,10 @@ void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t j0, in
         for (int64_t b = 0; b < nb; ++b) {
             const WeightBlock wb = mixserve::block_at<TYPE>(w + (j0 + c) * row_bytes, b);
             // Q8_0's quants: as they are (SIGNED_Q8), or + 128 (the sign bit flipped) for vpdpbusd
-            const __m256i u = TYPE != mixserve::Q8_0 ? wb.u
+            const __m256i u = !mixserve::signed_quants<TYPE>() ? wb.u
                               : SIGNED_Q8 ? wb.sign : _mm256_xor_si256(wb.sign, _mm256_set1_epi8(-128));
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + b * 32), u);
-            p.d[b * WIDTH + c] = wb.scale;
+            p.d[b * WIDTH + c] = TYPE == mixserve::INT8_ROW ? scales[j0 + c] : wb.scale;
             p.min[b * WIDTH + c] = has_min<TYPE>() ? wb.min : 0.f;
         }
     }
@@ -132,19 +137,20 @@ inline void block_dots(const uint8_t* q, const int8_t* const* xq, int64_t b, Vi 
 #else
     // quads whose 16-bit pair sums add without overflow: 2 x 15 x 127 x 8, 2 x 31 x 127 x 4, 2 x 128 x 127
     constexpr int RUN = TYPE == mixserve::Q4_0 || TYPE == mixserve::Q4_1 || TYPE == mixserve::Q4_K ? 8
-                        : TYPE == mixserve::Q8_0 ? 1 : 4;
+                        : mixserve::signed_quants<TYPE>() ? 1 : 4;
     const Vi ones = _mm256_set1_epi16(1);
     Vi pairs[ROWS][GROUPS];
     for (int t = 0; t < 8; ++t) {
         Vi wv[GROUPS], uv[GROUPS];
         for (int g = 0; g < GROUPS; ++g) {
             wv[g] = vi_load(q + (t * WIDTH + g * LANES) * 4);
-            uv[g] = TYPE == mixserve::Q8_0 ? _mm256_sign_epi8(wv[g], wv[g]) : wv[g];
+            uv[g] = mixserve::signed_quants<TYPE>() ? _mm256_sign_epi8(wv[g], wv[g]) : wv[g];
         }
         for (int r = 0; r < ROWS; ++r) {
             const Vi a = vi_set1(quad(xq[r] + b * 32 + 4 * t));
             for (int g = 0; g < GROUPS; ++g) {
-                const Vi p = _mm256_maddubs_epi16(uv[g], TYPE == mixserve::Q8_0 ? _mm256_sign_epi8(a, wv[g]) : a);
+                const Vi p = _mm256_maddubs_epi16(uv[g], mixserve::signed_quants<TYPE>() ? _mm256_sign_epi8(a, wv[g])
+                                                                                         : a);
                 pairs[r][g] = t % RUN == 0 ? p : _mm256_add_epi16(pairs[r][g], p);
                 if (t % RUN == RUN - 1) {
                     const Vi wide = _mm256_madd_epi16(pairs[r][g], ones);
@@ -207,7 +213,7 @@ void panel_all_rows(const Panel& p, const InputQ8& x, int64_t r0, int64_t r1, in
 
 template <int TYPE>
 void int8_panel_linear(const float* x, int64_t ldx, int64_t m, const uint8_t* w, int64_t row_bytes, int64_t n,
-                       int64_t k, const float* bias, float* out, int64_t ldo, int num_threads) {
+                       int64_t k, const float* scales, const float* bias, float* out, int64_t ldo, int num_threads) {
     const int64_t nb = k / 32, count = (n + WIDTH - 1) / WIDTH;
     InputQ8 xq{std::vector<int8_t>(m * k), std::vector<float>(m * nb), std::vector<float>(m * nb),
                std::vector<int32_t>(m * nb)};
@@ -227,7 +233,7 @@ void int8_panel_linear(const float* x, int64_t ldx, int64_t m, const uint8_t* w,
             const int64_t r1 = m * (std::min(end, (pi + 1) * nt) - pi * nt) / nt;
             if (r1 <= r0) continue;
             const int64_t j0 = pi * WIDTH, valid = std::min<int64_t>(WIDTH, n - j0);
-            decode_panel<TYPE>(w, row_bytes, k, j0, valid, p);
+            decode_panel<TYPE>(w, row_bytes, k, scales, j0, valid, p);
             panel_all_rows<TYPE>(p, xq, r0, r1, k, bias ? bias + j0 : nullptr, out + r0 * ldo + j0, ldo, valid);
         }
     }
@@ -238,22 +244,23 @@ void int8_panel_linear(const float* x, int64_t ldx, int64_t m, const uint8_t* w,
 
 extern "C" {
 
-// out (m, n) = x (m, k) @ w.T (+ bias) on int8-rounded inputs, for the 32-element formats, Q4_K and Q5_K; 0,
-// or 1 for a type
-// or k it cannot take, 2 where there are no such panels (AVX-512 without VNNI, or no AVX2).
+// out (m, n) = x (m, k) @ w.T (+ bias) on int8-rounded inputs, for the 32-element formats, Q4_K, Q5_K and
+// int8 per channel (scales: its row scales); 0, or 1 for a type or k it cannot take, 2 where there are no
+// such panels (AVX-512 without VNNI, or no AVX2).
 int mixserve_quant_int8_panel_linear(int type, const float* x, int64_t ldx, int64_t m, const void* data,
-                                     int64_t row_bytes, int64_t n, int64_t k, const float* bias, float* out,
-                                     int64_t ldo, int num_threads) {
+                                     int64_t row_bytes, int64_t n, int64_t k, const float* scales, const float* bias,
+                                     float* out, int64_t ldo, int num_threads) {
 #ifdef MIXSERVE_INT8_PANELS
     const int64_t be = mixserve::block_elems(type);
-    if (be == 0 || k <= 0 || k % be != 0 || k % 32 != 0) return 1;
+    if (be == 0 || k <= 0 || k % be != 0 || k % 32 != 0 || (type == mixserve::INT8_ROW && !scales)) return 1;
     const uint8_t* w = static_cast<const uint8_t*>(data);
 #define MIXSERVE_INT8_CASE(T) \
-    case mixserve::T: int8_panel_linear<mixserve::T>(x, ldx, m, w, row_bytes, n, k, bias, out, ldo, num_threads); \
+    case mixserve::T: \
+        int8_panel_linear<mixserve::T>(x, ldx, m, w, row_bytes, n, k, scales, bias, out, ldo, num_threads); \
         return 0;
     switch (type) {
         MIXSERVE_INT8_CASE(Q4_0) MIXSERVE_INT8_CASE(Q4_1) MIXSERVE_INT8_CASE(Q5_0) MIXSERVE_INT8_CASE(Q5_1)
-        MIXSERVE_INT8_CASE(Q8_0) MIXSERVE_INT8_CASE(Q4_K) MIXSERVE_INT8_CASE(Q5_K)
+        MIXSERVE_INT8_CASE(Q8_0) MIXSERVE_INT8_CASE(Q4_K) MIXSERVE_INT8_CASE(Q5_K) MIXSERVE_INT8_CASE(INT8_ROW)
 #undef MIXSERVE_INT8_CASE
         default: return 1;
     }

@@ -6,9 +6,9 @@
 // of output columns (rows of w, contiguous in the file), prefetching the rows ahead. The GGUF formats decode
 // each block in registers and multiply it there (quant_fused.h), int8 per channel too where k is a multiple
 // of 32; other int8 rows decode COLS rows into float32 in L1 and dot them with every input row from there.
-// Either way the products are float32 on the decoded weights, so the result equals dequantize-then-matmul up to float32
-// rounding. The integer-dot product on int8-rounded inputs (quant_dot.h, llama.cpp's way) is kept beside them
-// for measurement: docs/decisions/quantized-weights-in-place.md says why it is not the default.
+// Either way the products are float32 on the decoded weights, so the result equals dequantize-then-matmul up to
+// float32 rounding. The integer dots on int8-rounded inputs (quant_dot.h, llama.cpp's way) are the opt-in
+// `int8_activations` (docs/decisions/int8-activations.md).
 #include <omp.h>
 #include <stdint.h>
 
@@ -29,8 +29,8 @@ extern "C" int mixserve_quant_panel_linear(int type, const float* x, int64_t ldx
                                            const float* bias, float* out, int64_t ldo, int num_threads);
 
 extern "C" int mixserve_quant_int8_panel_linear(int type, const float* x, int64_t ldx, int64_t m, const void* data,
-                                                int64_t row_bytes, int64_t n, int64_t k, const float* bias,
-                                                float* out, int64_t ldo, int num_threads);
+                                                int64_t row_bytes, int64_t n, int64_t k, const float* scales,
+                                                const float* bias, float* out, int64_t ldo, int num_threads);
 
 namespace {
 
@@ -132,6 +132,10 @@ bool int8_dot_type(int type) {
     return type == mixserve::Q4_0 || type == mixserve::Q4_1 || type == mixserve::Q5_0 || type == mixserve::Q5_1 ||
            type == mixserve::Q8_0 || type == mixserve::Q4_K || type == mixserve::Q5_K;
 }
+// With int8 inputs: those formats, and int8 per channel in runs of 32
+bool int8_dot_takes(int type, int64_t k) {
+    return int8_dot_type(type) || (type == mixserve::INT8_ROW && k % 32 == 0);
+}
 
 template <int TYPE, int COLS2>
 void q8_rows_of(int rows, const uint8_t* w, int64_t row_bytes, int cols, const mixserve::RowQ8* x, int64_t nb,
@@ -154,13 +158,16 @@ void q8_rows(int rows, int type, const uint8_t* w, int64_t row_bytes, int cols, 
         case mixserve::Q5_1: return q8_rows_of<mixserve::Q5_1, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
         case mixserve::Q4_K: return q8_rows_of<mixserve::Q4_K, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
         case mixserve::Q5_K: return q8_rows_of<mixserve::Q5_K, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
+        case mixserve::INT8_ROW: return q8_rows_of<mixserve::INT8_ROW, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
         default: return q8_rows_of<mixserve::Q8_0, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
     }
 }
 
-// The integer-dot product (quant_dot.h): the input rows quantized once, then columns in pairs, rows in fours.
+// The integer-dot product (quant_dot.h): the input rows quantized once, then columns in pairs, rows in fours;
+// int8 per channel's row scales applied to the sums.
 void linear_int8_dot(int type, const float* x, int64_t ldx, int64_t m, const uint8_t* w, int64_t row_bytes,
-                     int64_t n, int64_t k, const float* bias, float* out, int64_t ldo, int num_threads) {
+                     int64_t n, int64_t k, const float* scales, const float* bias, float* out, int64_t ldo,
+                     int num_threads) {
     constexpr int PAIR = 2;
     const int64_t nb = k / 32;
     std::vector<int8_t> xq(m * k);
@@ -172,6 +179,9 @@ void linear_int8_dot(int type, const float* x, int64_t ldx, int64_t m, const uin
     }
     column_pairs<4>(m, n, bias, out, ldo, num_threads, [&](int rn, int64_t j0, int cols, int64_t r0, auto sums) {
         q8_rows<PAIR>(rn, type, w + j0 * row_bytes, row_bytes, cols, rows.data() + r0, nb, sums);
+        if (type == mixserve::INT8_ROW)
+            for (int c = 0; c < cols; ++c)
+                for (int r = 0; r < rn; ++r) sums[c][r] *= scales[j0 + c];
     });
 }
 #endif
@@ -211,20 +221,19 @@ extern "C" {
 
 // out[r, j] = sum_i x[r, i] w[j, i] (+ bias[j]) for r < m, j < n; w's row j is `row_bytes` bytes of blocks
 // from data + j * row_bytes. x, out float32 with row strides ldx, ldo. 0, or 1 for a type/k it cannot read.
-// int8_inputs: for the 32-element formats, integer dots on the inputs rounded to int8 (quant_dot.h; from
-// INT8_PANEL_ROWS rows the VNNI panels); else (and for every other format) float32 products on the decoded
-// weights, from PANEL_ROWS rows the panels'.
+// int8_inputs: where int8_dot_takes, integer dots on the inputs rounded to int8 (from INT8_PANEL_ROWS rows
+// the int8 panels); else float32 products on the decoded weights (from PANEL_ROWS rows the panels').
 int mixserve_quant_linear(int type, const float* x, int64_t ldx, int64_t m, const void* data, int64_t row_bytes,
                           int64_t n, int64_t k, const float* scales, const float* bias, float* out, int64_t ldo,
                           int int8_inputs, int num_threads) {
     if (!valid(type, k, scales)) return 1;
     const uint8_t* w = static_cast<const uint8_t*>(data);
 #ifdef MIXSERVE_QUANT_DOT
-    if (int8_inputs && int8_dot_type(type)) {
-        if (m >= INT8_PANEL_ROWS && mixserve_quant_int8_panel_linear(type, x, ldx, m, data, row_bytes, n, k, bias,
-                                                                     out, ldo, num_threads) == 0)
+    if (int8_inputs && int8_dot_takes(type, k)) {
+        if (m >= INT8_PANEL_ROWS && mixserve_quant_int8_panel_linear(type, x, ldx, m, data, row_bytes, n, k, scales,
+                                                                     bias, out, ldo, num_threads) == 0)
             return 0;
-        linear_int8_dot(type, x, ldx, m, w, row_bytes, n, k, bias, out, ldo, num_threads);
+        linear_int8_dot(type, x, ldx, m, w, row_bytes, n, k, scales, bias, out, ldo, num_threads);
         return 0;
     }
 #endif
