@@ -46,8 +46,8 @@ def with_int8_inputs(sd: dict[str, object]) -> dict[str, object]:
 
     marked = {k: with_int8_inputs(v) if isinstance(v, QuantWeight) else v for k, v in sd.items()}
     if not any(isinstance(v, QuantWeight) and v.int8_inputs for v in marked.values()):
-        log.warning("int8_activations: no weight kept quantized is Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K "
-                    "or int8 (the formats with integer dots); the inputs stay float")
+        log.warning("int8_activations: no weight is kept quantized (a GGUF file's blocks, or quantization "
+                    "int8); the inputs stay float")
     return marked
 
 

@@ -48,8 +48,8 @@ def reference(raw: np.ndarray, qtype: int) -> torch.Tensor:
 
 def int8_dot(w: ql.QuantWeight) -> bool:
     """This product is integer dots on int8-rounded inputs, at any number of rows: `w` marked `int8_inputs`,
-    every segment a format with them (C++ int8_dot_takes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, and int8
-    per channel where k is a multiple of 32, which with_int8_inputs checks)."""
+    every segment a format with them (C++ int8_dot_takes: every GGUF format, and int8 per channel where k is
+    a multiple of 32, which with_int8_inputs checks)."""
     return w.int8_inputs and all(s.qtype in ql.INT8_FORMATS for s in w.segments)
 
 
@@ -156,12 +156,10 @@ def test_cat_of_formats_equals_the_dequantized_concatenation(int8_inputs: bool, 
     assert torch.equal(ql.dequantize(fused), deq)
     g = torch.Generator().manual_seed(rows)
     x, bias = torch.randn(rows, K, generator=g), torch.randn(21, generator=g)
-    # the integer-dot rounding applies to the Q8_0 / Q4_0 segments only: check them and Q6_K's apart
+    # every segment's product on the rounded inputs (int8_inputs), each checked apart
     got = ql.linear(x, fused, bias)
-    dot = int8_inputs
-    assert_linear_close(got[:, :11], x, deq[:11], bias[:11], dot)
-    assert_linear_close(got[:, 11:18], x, deq[11:18], bias[11:18], False)
-    assert_linear_close(got[:, 18:], x, deq[18:], bias[18:], dot)
+    for cols in (slice(0, 11), slice(11, 18), slice(18, 21)):
+        assert_linear_close(got[:, cols], x, deq[cols], bias[cols], int8_inputs)
     # the path of CPUs without panels: tiles of 4 rows decoded row-major, segments split across several
     monkeypatch.setattr(ql, "_TILE_ELEMS", 4 * K)
     assert_linear_close(ql._tiles(x, fused, bias), x, deq, bias, False)

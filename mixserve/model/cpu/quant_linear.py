@@ -32,8 +32,8 @@ FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q
            8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
            13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), INT8_ROW: ("int8", 1, 1)}
 FEW_ROWS = 32  # up to this many rows the block kernel; above, decoded panels (see the record)
-# formats with integer-dot kernels (not Q6_K); int8 per channel where k is a multiple of 32
-INT8_FORMATS = frozenset({2, 3, 6, 7, 8, 12, 13, INT8_ROW})
+# formats with integer-dot kernels: every GGUF one, and int8 per channel where k is a multiple of 32
+INT8_FORMATS = frozenset({2, 3, 6, 7, 8, 12, 13, 14, INT8_ROW})
 # bf16 inputs (dtype bfloat16, the opt-in for speed): from this many rows on, the panels rounded to bf16 pairs
 # and multiplied by the inputs as they are (vdpbf16ps, float32 sums) where the kernels have AVX512-BF16;
 # below, the block kernel's float32 products is faster

@@ -1,5 +1,6 @@
-// Few-row products of the 32-element formats, of Q4_K / Q5_K's sub-blocks and of int8 per channel (its rows
-// in runs of 32, the row's scale applied to the sums by the caller) as integer dots, as llama.cpp
+// Few-row products of the 32-element formats, of the K-quants' sub-blocks of 32 (Q6_K's with a scale for each
+// 16) and of int8 per channel (its rows in runs of 32, the row's scale applied to the sums by the caller) as
+// integer dots, as llama.cpp
 // computes them: each input row is quantized once per call to int8 in blocks of 32 (a scale per block), and
 // a weight block's 32 quants meet the input block's 32 in one u8 x s8 dot (AVX512-VNNI's vpdpbusd on 256 bits,
 // else AVX2's vpmaddubsw + vpmaddwd): 32 products an instruction or two, where float32 needs 4-8 FMAs plus the
@@ -25,8 +26,10 @@ struct RowQ8 {
     const float* s;
 };
 
-// sums (optional): the blocks' integer sums of q, which the int8 panels' offsets (Q4_0's 8, Q8_0's 128) take
-inline void quantize_row_q8(const float* x, int64_t k, int8_t* q, float* d, float* s, int32_t* sums = nullptr) {
+// sums, half_sums (optional): the blocks' integer sums of q, and of each 16 (two a block), which the int8
+// panels' offsets (Q4_0's 8, Q8_0's 128, Q6_K's 32 a scale of 16) take
+inline void quantize_row_q8(const float* x, int64_t k, int8_t* q, float* d, float* s, int32_t* sums = nullptr,
+                            int32_t* half_sums = nullptr) {
     for (int64_t b = 0; b < k / 32; ++b, x += 32, q += 32) {
         __m256 v[4], amax = _mm256_setzero_ps();
         const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -50,10 +53,16 @@ inline void quantize_row_q8(const float* x, int64_t k, int8_t* q, float* d, floa
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), i8);
         const __m256i sum16 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), i8),
                                                 _mm256_set1_epi16(1));
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum16), _mm256_extracti128_si256(sum16, 1));
+        const __m128i lo = _mm256_castsi256_si128(sum16), hi = _mm256_extracti128_si256(sum16, 1);
+        __m128i t = _mm_add_epi32(lo, hi);
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
         const int32_t sum = _mm_cvtsi128_si32(t);
+        if (half_sums) {  // lanes 0-3 hold the first 16 values' sums, 4-7 the last 16's
+            const __m128i pair = _mm_hadd_epi32(_mm_hadd_epi32(lo, hi), _mm_setzero_si128());
+            half_sums[2 * b] = _mm_cvtsi128_si32(pair);
+            half_sums[2 * b + 1] = _mm_extract_epi32(pair, 1);
+        }
         s[b] = d[b] * static_cast<float>(sum);
         if (sums) sums[b] = sum;
     }
@@ -87,11 +96,13 @@ inline __m256i fifth_bits_u8(const uint8_t* p) {
 }
 
 // A weight block as the dot takes it: its quants as unsigned bytes (Q8_0: their magnitudes, `sign` the
-// quants whose signs the input takes on), its scale, and the term the input block's s multiplies.
+// quants whose signs the input takes on), its scale, and the term the input block's s multiplies; Q6_K's
+// scale is the first 16 values' and scale_hi the last 16's.
 struct WeightBlock {
     __m256i u, sign;
     float scale, min;
     bool signed_q;
+    float scale_hi = 0.f;
 };
 
 template <int TYPE>
@@ -119,16 +130,31 @@ inline WeightBlock weight_block(const uint8_t* w) {
 
 // Formats whose quants are signed bytes: the dot takes |q| and moves q's signs onto the input.
 template <int TYPE>
-constexpr bool signed_quants() { return TYPE == Q8_0 || TYPE == INT8_ROW; }
+constexpr bool signed_quants() { return TYPE == Q8_0 || TYPE == INT8_ROW || TYPE == Q6_K; }
 
 // Bytes of one unit of blocks the dots walk: a block of the format, or 32 values of an int8 row.
 template <int TYPE>
 inline int64_t unit_bytes() { return TYPE == INT8_ROW ? 32 : block_bytes(TYPE); }
 
+// Sub-block j (0..7: half j / 4, quarter j % 4) of a Q6_K super-block: w = d sc (q - 32) (quant_blocks.h's
+// q6_k_sixteens), the signed q - 32 as Q8_0's quants, a scale for each 16.
+inline WeightBlock q6_k_sub_block(const uint8_t* s, int j) {
+    const int half = j / 4, part = j % 4;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64 * half + 32 * (part & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 128 + 32 * half));
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (part >> 1)), _mm256_set1_epi8(0x0f));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), _mm256_set1_epi8(3));
+    const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+    const int8_t* sc = reinterpret_cast<const int8_t*>(s + 192) + 8 * half + 2 * part;
+    const float d = half_to_float(read_half(s + 208));
+    return {_mm256_abs_epi8(v), v, d * sc[0], 0.f, true, d * sc[1]};
+}
+
 // Sub-block j (0..7, 32 elements) of a Q4_K / Q5_K super-block as the dot takes it: w = d sc q - dmin mn
-// (quant_blocks.h's decode_q4_k / decode_q5_k), a scale and a minimum as a Q4_1 block has.
+// (quant_blocks.h's decode_q4_k / decode_q5_k), a scale and a minimum as a Q4_1 block has; Q6_K's above.
 template <int TYPE>
 inline WeightBlock k_sub_block(const uint8_t* s, int j) {
+    if constexpr (TYPE == Q6_K) return q6_k_sub_block(s, j);
     int sc, mn;
     scale_min_k4(j, s + 4, &sc, &mn);
     const uint8_t* q = s + (TYPE == Q4_K ? 16 : 48) + 32 * (j / 2);  // 32 bytes hold sub-blocks 2i, 2i + 1
@@ -144,7 +170,7 @@ inline WeightBlock k_sub_block(const uint8_t* s, int j) {
 }
 
 template <int TYPE>
-constexpr bool k_quant() { return TYPE == Q4_K || TYPE == Q5_K; }
+constexpr bool k_quant() { return TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K; }
 
 // Block b (32 elements) of a weight row: a 32-element format's block, or a K-quant's sub-block.
 template <int TYPE>
@@ -202,7 +228,11 @@ void dot_q8_pass(const uint8_t* w, int64_t row_bytes, int cols, const RowQ8* x, 
             const int64_t xb = b * SUBS + j;
             for (int r = 0; r < ROWS; ++r) {
                 const __m256 dot = _mm256_cvtepi32_ps(block_dot<TYPE>(wb, x[r].q + 32 * xb));
-                acc[c][r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(wb.scale * x[r].d[xb]), acc[c][r]);
+                const float xd = x[r].d[xb];
+                const __m256 sv = TYPE == Q6_K  // the dot's lanes 0-3 sum the first 16 values, 4-7 the last 16
+                                      ? _mm256_set_m128(_mm_set1_ps(wb.scale_hi * xd), _mm_set1_ps(wb.scale * xd))
+                                      : _mm256_set1_ps(wb.scale * xd);
+                acc[c][r] = _mm256_fmadd_ps(dot, sv, acc[c][r]);
                 mins[c][r] += wb.min * x[r].s[xb];
             }
         }

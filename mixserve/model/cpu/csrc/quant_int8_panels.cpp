@@ -1,13 +1,11 @@
-// Prefill chunks on the 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), Q4_K / Q5_K (sub-blocks of 32
-// with a scale and a minimum each, as Q4_1's blocks) and int8 per channel (as Q8_0, the row's scale for every
-// block's) with int8 inputs (`int8_inputs`, the opt-in for
-// llama.cpp's rounding): the inputs rounded to int8 once per call in blocks of 32, as the few-row integer
-// dots (quant_dot.h) round them, and each thread's column panel of the weight decoded to bytes laid out for
-// integer dots: lane c of a vector holds 4 consecutive quants of output c, against one input's 4 bytes
-// broadcast. AVX512-VNNI: one vpdpbusd is 64 multiply-adds (16 outputs x 4), where float32 does 16 an FMA.
-// AVX2: vpmaddubsw's 16-bit pair sums are added in 16 bits over a whole block where they cannot overflow
-// (4-bit quants: 8 x 2 x 15 x 127 < 2^15), then widened once (vpmaddwd). The integer sums are exact; each
-// block's scale and minimum then meet them in float32, a vector of outputs at a time.
+// Prefill chunks with int8 inputs (`int8_inputs`, the opt-in for llama.cpp's rounding) on the 32-element
+// formats, the K-quants (sub-blocks of 32; Q6_K's two scales of 16 take their integer sums apart) and int8 per
+// channel (as Q8_0, the row's scale for every block's): the inputs rounded to int8 once per call in blocks of
+// 32, as quant_dot.h rounds them, and each thread's column panel decoded to bytes laid out for integer dots:
+// lane c of a vector holds 4 consecutive quants of output c, against one input's 4 bytes broadcast.
+// AVX512-VNNI: one vpdpbusd is 64 multiply-adds (16 outputs x 4), where float32 does 16 an FMA. AVX2:
+// vpmaddubsw's 16-bit pair sums are added in 16 bits over a run of quads where they cannot overflow, then
+// widened once (vpmaddwd). The integer sums are exact; the scales and minimums meet them in float32.
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -60,6 +58,7 @@ template <int TYPE>
 constexpr int offset_of() {
     if constexpr (TYPE == mixserve::Q4_0) return 8;
     if constexpr (TYPE == mixserve::Q5_0) return 16;
+    if constexpr (TYPE == mixserve::Q6_K) return SIGNED_Q8 ? 0 : 32;  // q - 32, or q itself: 32 a 16's sum
     return mixserve::signed_quants<TYPE>() && !SIGNED_Q8 ? 128 : 0;
 }
 template <int TYPE>
@@ -67,18 +66,22 @@ constexpr bool has_min() {
     return TYPE == mixserve::Q4_1 || TYPE == mixserve::Q5_1 || TYPE == mixserve::Q4_K || TYPE == mixserve::Q5_K;
 }
 
-// The input rows as int8 blocks: q (rows of k), d (scale), s (d times the block's sum), sum (the integer sum).
+// The input rows as int8 blocks: q (rows of k), d (scale), s (d times the block's sum), sum (the integer sum),
+// half (the integer sums of each 16, two a block).
 struct InputQ8 {
     std::vector<int8_t> q;
     std::vector<float> d, s;
-    std::vector<int32_t> sum;
+    std::vector<int32_t> sum, half;
 };
 
-// A panel: quants [block][quad][output][4] as bytes, scales and minimums [block][output].
+// A panel: quants [block][quad][output][4] as bytes, scales and minimums [block][output]; Q6_K: d the first
+// 16 values' scales, d_hi the last 16's.
 struct Panel {
     std::vector<uint8_t> strip, q;  // strip: WIDTH rows of k bytes, row-major, before the transposition
-    std::vector<float> d, min;
+    std::vector<float> d, min, d_hi;
 };
+
+constexpr bool split_halves(int type) { return type == mixserve::Q6_K; }  // a scale for each 16 values
 
 // scales: int8 per channel's, one a row (else null)
 template <int TYPE>
@@ -89,17 +92,20 @@ void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t k, const float* s
         uint8_t* row = p.strip.data() + c * k;
         if (c >= valid) {
             std::fill_n(row, k, uint8_t{0});
-            for (int64_t b = 0; b < nb; ++b) p.d[b * WIDTH + c] = p.min[b * WIDTH + c] = 0.f;
+            for (int64_t b = 0; b < nb; ++b) p.d[b * WIDTH + c] = p.min[b * WIDTH + c] = p.d_hi[b * WIDTH + c] = 0.f;
             continue;
         }
         for (int64_t b = 0; b < nb; ++b) {
             const WeightBlock wb = mixserve::block_at<TYPE>(w + (j0 + c) * row_bytes, b);
-            // Q8_0's quants: as they are (SIGNED_Q8), or + 128 (the sign bit flipped) for vpdpbusd
+            // signed quants: as they are (SIGNED_Q8), or + 128 (the sign bit flipped; Q6_K's + 32) for vpdpbusd
             const __m256i u = !mixserve::signed_quants<TYPE>() ? wb.u
-                              : SIGNED_Q8 ? wb.sign : _mm256_xor_si256(wb.sign, _mm256_set1_epi8(-128));
+                              : SIGNED_Q8 ? wb.sign
+                              : TYPE == mixserve::Q6_K ? _mm256_add_epi8(wb.sign, _mm256_set1_epi8(32))
+                                                       : _mm256_xor_si256(wb.sign, _mm256_set1_epi8(-128));
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + b * 32), u);
             p.d[b * WIDTH + c] = TYPE == mixserve::INT8_ROW ? scales[j0 + c] : wb.scale;
             p.min[b * WIDTH + c] = has_min<TYPE>() ? wb.min : 0.f;
+            p.d_hi[b * WIDTH + c] = wb.scale_hi;
         }
     }
     // [output][quad] -> [quad][output], a quad of bytes moved as one float: 16 x 16 tiles in registers
@@ -120,24 +126,28 @@ inline int32_t quad(const int8_t* p) {
     return v;
 }
 
-// dots[r][g] = the integer sums of block b: quants (u - offset for Q4_0 / Q5_0 / Q8_0 + 128) x input row r.
+// dots[r][g] = the integer sums of block b: quants (u - offset for Q4_0 / Q5_0 / Q8_0 + 128) x input row r;
+// split_halves: dots the first 16 values' sums (quads 0-3), hi the last 16's.
 template <int TYPE, int ROWS>
-inline void block_dots(const uint8_t* q, const int8_t* const* xq, int64_t b, Vi (*dots)[GROUPS]) {
+inline void block_dots(const uint8_t* q, const int8_t* const* xq, int64_t b, Vi (*dots)[GROUPS],
+                       Vi (*hi)[GROUPS]) {
 #ifdef MIXSERVE_INT8_VNNI
     for (int r = 0; r < ROWS; ++r)
-        for (int g = 0; g < GROUPS; ++g) dots[r][g] = vi_zero();
+        for (int g = 0; g < GROUPS; ++g) dots[r][g] = hi[r][g] = vi_zero();
     for (int t = 0; t < 8; ++t) {
         Vi wv[GROUPS];
+        Vi(*into)[GROUPS] = split_halves(TYPE) && t >= 4 ? hi : dots;
         for (int g = 0; g < GROUPS; ++g) wv[g] = vi_load(q + (t * WIDTH + g * LANES) * 4);
         for (int r = 0; r < ROWS; ++r) {
             const Vi a = vi_set1(quad(xq[r] + b * 32 + 4 * t));
-            for (int g = 0; g < GROUPS; ++g) dots[r][g] = _mm512_dpbusd_epi32(dots[r][g], wv[g], a);
+            for (int g = 0; g < GROUPS; ++g) into[r][g] = _mm512_dpbusd_epi32(into[r][g], wv[g], a);
         }
     }
 #else
-    // quads whose 16-bit pair sums add without overflow: 2 x 15 x 127 x 8, 2 x 31 x 127 x 4, 2 x 128 x 127
+    // quads whose 16-bit pair sums add without overflow: 2 x 15 x 127 x 8, 2 x 31 x 127 x 4 (Q6_K's |q - 32|
+    // <= 32 too: a half), 2 x 128 x 127
     constexpr int RUN = TYPE == mixserve::Q4_0 || TYPE == mixserve::Q4_1 || TYPE == mixserve::Q4_K ? 8
-                        : mixserve::signed_quants<TYPE>() ? 1 : 4;
+                        : TYPE == mixserve::Q8_0 || TYPE == mixserve::INT8_ROW ? 1 : 4;
     const Vi ones = _mm256_set1_epi16(1);
     Vi pairs[ROWS][GROUPS];
     for (int t = 0; t < 8; ++t) {
@@ -154,7 +164,8 @@ inline void block_dots(const uint8_t* q, const int8_t* const* xq, int64_t b, Vi 
                 pairs[r][g] = t % RUN == 0 ? p : _mm256_add_epi16(pairs[r][g], p);
                 if (t % RUN == RUN - 1) {
                     const Vi wide = _mm256_madd_epi16(pairs[r][g], ones);
-                    dots[r][g] = t < RUN ? wide : _mm256_add_epi32(dots[r][g], wide);
+                    if (split_halves(TYPE) && t >= 4) hi[r][g] = wide;
+                    else dots[r][g] = t < RUN ? wide : _mm256_add_epi32(dots[r][g], wide);
                 }
             }
         }
@@ -174,11 +185,23 @@ void panel_rows(const Panel& p, const InputQ8& x, int64_t r0, int64_t k, const f
         for (int g = 0; g < GROUPS; ++g) acc[r][g] = vzero();
     }
     for (int64_t b = 0; b < nb; ++b) {
-        Vi dots[ROWS][GROUPS];
-        block_dots<TYPE, ROWS>(p.q.data() + b * 8 * WIDTH * 4, xq, b, dots);
+        Vi dots[ROWS][GROUPS], hi[ROWS][GROUPS];
+        block_dots<TYPE, ROWS>(p.q.data() + b * 8 * WIDTH * 4, xq, b, dots, hi);
         const int64_t xb = r0 * nb + b;
         for (int g = 0; g < GROUPS; ++g) {
             const Vf dv = vload(p.d.data() + b * WIDTH + g * LANES);
+            if constexpr (split_halves(TYPE)) {
+                const Vf dv_hi = vload(p.d_hi.data() + b * WIDTH + g * LANES);
+                for (int r = 0; r < ROWS; ++r) {
+                    const int32_t* half = x.half.data() + 2 * (xb + r * nb);
+                    const Vf xd = vbroadcast(x.d[xb + r * nb]);
+                    acc[r][g] = vfmadd(vi_float(vi_sub(dots[r][g], vi_set1(offset_of<TYPE>() * half[0]))), dv * xd,
+                                       acc[r][g]);
+                    acc[r][g] = vfmadd(vi_float(vi_sub(hi[r][g], vi_set1(offset_of<TYPE>() * half[1]))), dv_hi * xd,
+                                       acc[r][g]);
+                }
+                continue;
+            }
             for (int r = 0; r < ROWS; ++r) {
                 Vi dot = dots[r][g];
                 if constexpr (offset_of<TYPE>() != 0)
@@ -216,15 +239,16 @@ void int8_panel_linear(const float* x, int64_t ldx, int64_t m, const uint8_t* w,
                        int64_t k, const float* scales, const float* bias, float* out, int64_t ldo, int num_threads) {
     const int64_t nb = k / 32, count = (n + WIDTH - 1) / WIDTH;
     InputQ8 xq{std::vector<int8_t>(m * k), std::vector<float>(m * nb), std::vector<float>(m * nb),
-               std::vector<int32_t>(m * nb)};
+               std::vector<int32_t>(m * nb), std::vector<int32_t>(split_halves(TYPE) ? 2 * m * nb : 0)};
 #pragma omp parallel num_threads(num_threads) if (count >= 2 * num_threads)
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; ++r)
             mixserve::quantize_row_q8(x + r * ldx, k, xq.q.data() + r * k, xq.d.data() + r * nb,
-                                      xq.s.data() + r * nb, xq.sum.data() + r * nb);
+                                      xq.s.data() + r * nb, xq.sum.data() + r * nb,
+                                      split_halves(TYPE) ? xq.half.data() + 2 * r * nb : nullptr);
         Panel p{std::vector<uint8_t>(WIDTH * k), std::vector<uint8_t>(WIDTH * k), std::vector<float>(WIDTH * nb),
-                std::vector<float>(WIDTH * nb)};
+                std::vector<float>(WIDTH * nb), std::vector<float>(WIDTH * nb)};
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         // panels split in fractions as quant_panels.cpp splits them: a boundary panel decoded by both threads
         const int64_t begin = count * t, end = count * (t + 1);
@@ -244,7 +268,7 @@ void int8_panel_linear(const float* x, int64_t ldx, int64_t m, const uint8_t* w,
 
 extern "C" {
 
-// out (m, n) = x (m, k) @ w.T (+ bias) on int8-rounded inputs, for the 32-element formats, Q4_K, Q5_K and
+// out (m, n) = x (m, k) @ w.T (+ bias) on int8-rounded inputs, for the 32-element formats, the K-quants and
 // int8 per channel (scales: its row scales); 0, or 1 for a type or k it cannot take, 2 where there are no
 // such panels (AVX-512 without VNNI, or no AVX2).
 int mixserve_quant_int8_panel_linear(int type, const float* x, int64_t ldx, int64_t m, const void* data,
@@ -260,7 +284,8 @@ int mixserve_quant_int8_panel_linear(int type, const float* x, int64_t ldx, int6
         return 0;
     switch (type) {
         MIXSERVE_INT8_CASE(Q4_0) MIXSERVE_INT8_CASE(Q4_1) MIXSERVE_INT8_CASE(Q5_0) MIXSERVE_INT8_CASE(Q5_1)
-        MIXSERVE_INT8_CASE(Q8_0) MIXSERVE_INT8_CASE(Q4_K) MIXSERVE_INT8_CASE(Q5_K) MIXSERVE_INT8_CASE(INT8_ROW)
+        MIXSERVE_INT8_CASE(Q8_0) MIXSERVE_INT8_CASE(Q4_K) MIXSERVE_INT8_CASE(Q5_K) MIXSERVE_INT8_CASE(Q6_K)
+        MIXSERVE_INT8_CASE(INT8_ROW)
 #undef MIXSERVE_INT8_CASE
         default: return 1;
     }

@@ -130,7 +130,7 @@ void column_pairs(int64_t m, int64_t n, const float* bias, float* out, int64_t l
 #ifdef MIXSERVE_QUANT_DOT
 bool int8_dot_type(int type) {
     return type == mixserve::Q4_0 || type == mixserve::Q4_1 || type == mixserve::Q5_0 || type == mixserve::Q5_1 ||
-           type == mixserve::Q8_0 || type == mixserve::Q4_K || type == mixserve::Q5_K;
+           type == mixserve::Q8_0 || type == mixserve::Q4_K || type == mixserve::Q5_K || type == mixserve::Q6_K;
 }
 // With int8 inputs: those formats, and int8 per channel in runs of 32
 bool int8_dot_takes(int type, int64_t k) {
@@ -158,6 +158,7 @@ void q8_rows(int rows, int type, const uint8_t* w, int64_t row_bytes, int cols, 
         case mixserve::Q5_1: return q8_rows_of<mixserve::Q5_1, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
         case mixserve::Q4_K: return q8_rows_of<mixserve::Q4_K, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
         case mixserve::Q5_K: return q8_rows_of<mixserve::Q5_K, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
+        case mixserve::Q6_K: return q8_rows_of<mixserve::Q6_K, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
         case mixserve::INT8_ROW: return q8_rows_of<mixserve::INT8_ROW, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
         default: return q8_rows_of<mixserve::Q8_0, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
     }
@@ -190,8 +191,7 @@ void linear_int8_dot(int type, const float* x, int64_t ldx, int64_t m, const uin
 // The float32 product with each block decoded in registers (quant_fused.h): columns in pairs.
 // int8 per channel in runs of 32 (k a multiple of 32), its row scales applied to the sums.
 bool fused_type(int type, int64_t k) {
-    return int8_dot_type(type) || type == mixserve::Q4_K || type == mixserve::Q5_K || type == mixserve::Q6_K ||
-           (type == mixserve::INT8_ROW && k % 32 == 0);
+    return int8_dot_type(type) || (type == mixserve::INT8_ROW && k % 32 == 0);
 }
 
 void linear_fused(int type, const float* x, int64_t ldx, int64_t m, const uint8_t* w, int64_t row_bytes,
