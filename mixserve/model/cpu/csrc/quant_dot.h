@@ -221,17 +221,24 @@ void dot_q8_pass(const uint8_t* w, int64_t row_bytes, int cols, const RowQ8* x, 
         for (int r = 0; r < ROWS; ++r) acc[c][r] = _mm256_setzero_ps();
     constexpr int SUBS = k_quant<TYPE>() ? 8 : 1;  // blocks of 32 a block of the format holds
     walk_blocks<COLS>(w, row_bytes, cols, nb / SUBS, unit_bytes<TYPE>(), [&](int c, int64_t b, const uint8_t* blk) {
+        __m256 q6_scales[2];  // Q6_K: d times the 16 scales, a half's 8 a vector, once a block
+        if constexpr (TYPE == Q6_K)
+            for (int h = 0; h < 2; ++h)
+                q6_scales[h] = _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_half(blk + 208))), _mm256_cvtepi32_ps(
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 192 + 8 * h)))));
         for (int j = 0; j < SUBS; ++j) {
             WeightBlock wb;
             if constexpr (k_quant<TYPE>()) wb = k_sub_block<TYPE>(blk, j);
             else wb = weight_block<TYPE>(blk);
             const int64_t xb = b * SUBS + j;
+            __m256 lane_scales;  // Q6_K: the dot's lanes 0-3 sum the first 16 values (scale 2j), 4-7 the last 16
+            if constexpr (TYPE == Q6_K)
+                lane_scales = _mm256_permutevar8x32_ps(q6_scales[j / 4], _mm256_add_epi32(
+                    _mm256_set1_epi32(2 * (j % 4)), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)));
             for (int r = 0; r < ROWS; ++r) {
                 const __m256 dot = _mm256_cvtepi32_ps(block_dot<TYPE>(wb, x[r].q + 32 * xb));
-                const float xd = x[r].d[xb];
-                const __m256 sv = TYPE == Q6_K  // the dot's lanes 0-3 sum the first 16 values, 4-7 the last 16
-                                      ? _mm256_set_m128(_mm_set1_ps(wb.scale_hi * xd), _mm_set1_ps(wb.scale * xd))
-                                      : _mm256_set1_ps(wb.scale * xd);
+                const __m256 sv = TYPE == Q6_K ? _mm256_mul_ps(lane_scales, _mm256_set1_ps(x[r].d[xb]))
+                                               : _mm256_set1_ps(wb.scale * x[r].d[xb]);
                 acc[c][r] = _mm256_fmadd_ps(dot, sv, acc[c][r]);
                 mins[c][r] += wb.min * x[r].s[xb];
             }

@@ -126,31 +126,29 @@ inline int32_t quad(const int8_t* p) {
     return v;
 }
 
-// dots[r][g] = the integer sums of block b: quants (u - offset for Q4_0 / Q5_0 / Q8_0 + 128) x input row r;
-// split_halves: dots the first 16 values' sums (quads 0-3), hi the last 16's.
-template <int TYPE, int ROWS>
-inline void block_dots(const uint8_t* q, const int8_t* const* xq, int64_t b, Vi (*dots)[GROUPS],
-                       Vi (*hi)[GROUPS]) {
+// dots[r][g] = the integer sums of block b over its quads T0..T1 (all 8: the block; Q6_K a half, 16 values a
+// scale): quants (u - offset for Q4_0 / Q5_0 / Q8_0 + 128) x input row r.
+template <int TYPE, int ROWS, int T0 = 0, int T1 = 8>
+inline void block_dots(const uint8_t* q, const int8_t* const* xq, int64_t b, Vi (*dots)[GROUPS]) {
 #ifdef MIXSERVE_INT8_VNNI
     for (int r = 0; r < ROWS; ++r)
-        for (int g = 0; g < GROUPS; ++g) dots[r][g] = hi[r][g] = vi_zero();
-    for (int t = 0; t < 8; ++t) {
+        for (int g = 0; g < GROUPS; ++g) dots[r][g] = vi_zero();
+    for (int t = T0; t < T1; ++t) {
         Vi wv[GROUPS];
-        Vi(*into)[GROUPS] = split_halves(TYPE) && t >= 4 ? hi : dots;
         for (int g = 0; g < GROUPS; ++g) wv[g] = vi_load(q + (t * WIDTH + g * LANES) * 4);
         for (int r = 0; r < ROWS; ++r) {
             const Vi a = vi_set1(quad(xq[r] + b * 32 + 4 * t));
-            for (int g = 0; g < GROUPS; ++g) into[r][g] = _mm512_dpbusd_epi32(into[r][g], wv[g], a);
+            for (int g = 0; g < GROUPS; ++g) dots[r][g] = _mm512_dpbusd_epi32(dots[r][g], wv[g], a);
         }
     }
 #else
     // quads whose 16-bit pair sums add without overflow: 2 x 15 x 127 x 8, 2 x 31 x 127 x 4 (Q6_K's |q - 32|
-    // <= 32 too: a half), 2 x 128 x 127
+    // <= 32 too), 2 x 128 x 127
     constexpr int RUN = TYPE == mixserve::Q4_0 || TYPE == mixserve::Q4_1 || TYPE == mixserve::Q4_K ? 8
                         : TYPE == mixserve::Q8_0 || TYPE == mixserve::INT8_ROW ? 1 : 4;
     const Vi ones = _mm256_set1_epi16(1);
     Vi pairs[ROWS][GROUPS];
-    for (int t = 0; t < 8; ++t) {
+    for (int t = T0; t < T1; ++t) {
         Vi wv[GROUPS], uv[GROUPS];
         for (int g = 0; g < GROUPS; ++g) {
             wv[g] = vi_load(q + (t * WIDTH + g * LANES) * 4);
@@ -161,11 +159,10 @@ inline void block_dots(const uint8_t* q, const int8_t* const* xq, int64_t b, Vi 
             for (int g = 0; g < GROUPS; ++g) {
                 const Vi p = _mm256_maddubs_epi16(uv[g], mixserve::signed_quants<TYPE>() ? _mm256_sign_epi8(a, wv[g])
                                                                                          : a);
-                pairs[r][g] = t % RUN == 0 ? p : _mm256_add_epi16(pairs[r][g], p);
-                if (t % RUN == RUN - 1) {
+                pairs[r][g] = (t - T0) % RUN == 0 ? p : _mm256_add_epi16(pairs[r][g], p);
+                if ((t - T0) % RUN == RUN - 1) {
                     const Vi wide = _mm256_madd_epi16(pairs[r][g], ones);
-                    if (split_halves(TYPE) && t >= 4) hi[r][g] = wide;
-                    else dots[r][g] = t < RUN ? wide : _mm256_add_epi32(dots[r][g], wide);
+                    dots[r][g] = t - T0 < RUN ? wide : _mm256_add_epi32(dots[r][g], wide);
                 }
             }
         }
@@ -185,23 +182,27 @@ void panel_rows(const Panel& p, const InputQ8& x, int64_t r0, int64_t k, const f
         for (int g = 0; g < GROUPS; ++g) acc[r][g] = vzero();
     }
     for (int64_t b = 0; b < nb; ++b) {
-        Vi dots[ROWS][GROUPS], hi[ROWS][GROUPS];
-        block_dots<TYPE, ROWS>(p.q.data() + b * 8 * WIDTH * 4, xq, b, dots, hi);
+        const uint8_t* qb = p.q.data() + b * 8 * WIDTH * 4;
         const int64_t xb = r0 * nb + b;
+        Vi dots[ROWS][GROUPS];
+        if constexpr (split_halves(TYPE)) {  // each half's sums meet its own scales before the next half's
+            const auto fold = [&](int h, const float* d) {
+                for (int g = 0; g < GROUPS; ++g)
+                    for (int r = 0; r < ROWS; ++r) {
+                        const Vi off = vi_set1(offset_of<TYPE>() * x.half[2 * (xb + r * nb) + h]);
+                        acc[r][g] = vfmadd(vi_float(vi_sub(dots[r][g], off)),
+                                           vload(d + b * WIDTH + g * LANES) * vbroadcast(x.d[xb + r * nb]), acc[r][g]);
+                    }
+            };
+            block_dots<TYPE, ROWS, 0, 4>(qb, xq, b, dots);
+            fold(0, p.d.data());
+            block_dots<TYPE, ROWS, 4, 8>(qb, xq, b, dots);
+            fold(1, p.d_hi.data());
+            continue;
+        }
+        block_dots<TYPE, ROWS>(qb, xq, b, dots);
         for (int g = 0; g < GROUPS; ++g) {
             const Vf dv = vload(p.d.data() + b * WIDTH + g * LANES);
-            if constexpr (split_halves(TYPE)) {
-                const Vf dv_hi = vload(p.d_hi.data() + b * WIDTH + g * LANES);
-                for (int r = 0; r < ROWS; ++r) {
-                    const int32_t* half = x.half.data() + 2 * (xb + r * nb);
-                    const Vf xd = vbroadcast(x.d[xb + r * nb]);
-                    acc[r][g] = vfmadd(vi_float(vi_sub(dots[r][g], vi_set1(offset_of<TYPE>() * half[0]))), dv * xd,
-                                       acc[r][g]);
-                    acc[r][g] = vfmadd(vi_float(vi_sub(hi[r][g], vi_set1(offset_of<TYPE>() * half[1]))), dv_hi * xd,
-                                       acc[r][g]);
-                }
-                continue;
-            }
             for (int r = 0; r < ROWS; ++r) {
                 Vi dot = dots[r][g];
                 if constexpr (offset_of<TYPE>() != 0)
