@@ -3,7 +3,8 @@
 // channel (as Q8_0, the row's scale for every block's): the inputs rounded to int8 once per call in blocks of
 // 32, as quant_dot.h rounds them, and each thread's column panel decoded to bytes laid out for integer dots:
 // lane c of a vector holds 4 consecutive quants of output c, against one input's 4 bytes broadcast.
-// AVX512-VNNI: one vpdpbusd is 64 multiply-adds (16 outputs x 4), where float32 does 16 an FMA. AVX2:
+// AVX512-VNNI: one vpdpbusd is 64 multiply-adds (16 outputs x 4), where float32 does 16 an FMA (AVX-512
+// without VNNI: vpmaddubsw + vpmaddwd, for the formats whose quants stay under 128). AVX2:
 // vpmaddubsw's 16-bit pair sums are added in 16 bits over a run of quads where they cannot overflow, then
 // widened once (vpmaddwd). The integer sums are exact; the scales and minimums meet them in float32.
 #include <immintrin.h>
@@ -17,37 +18,19 @@
 #include "few_row_simd.h"
 #include "quant_blocks.h"
 #include "quant_dot.h"
+#include "quant_int8_vectors.h"
 
-#if defined(MIXSERVE_QUANT_DOT) && defined(MIXSERVE_FEW_ROW_SIMD) && \
-    (!defined(__AVX512F__) || (defined(__AVX512BW__) && defined(__AVX512VNNI__)))
+#if defined(MIXSERVE_QUANT_DOT) && defined(MIXSERVE_FEW_ROW_SIMD) && (!defined(__AVX512F__) || defined(__AVX512BW__))
 #define MIXSERVE_INT8_PANELS 1
 
 namespace {
 
 using mixserve::WeightBlock;
 
-#if defined(__AVX512F__)
-#define MIXSERVE_INT8_VNNI 1
-using Vi = __m512i;
-inline Vi vi_zero() { return _mm512_setzero_si512(); }
-inline Vi vi_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
-inline Vi vi_set1(int32_t v) { return _mm512_set1_epi32(v); }
-inline Vi vi_sub(Vi a, Vi b) { return _mm512_sub_epi32(a, b); }
-inline Vf vi_float(Vi a) { return _mm512_cvtepi32_ps(a); }
-constexpr int TILE_ROWS = 4;  // input rows a pass: 4 x 2 vectors of integer sums and of float sums
-#else
-using Vi = __m256i;
-inline Vi vi_zero() { return _mm256_setzero_si256(); }
-inline Vi vi_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline Vi vi_set1(int32_t v) { return _mm256_set1_epi32(v); }
-inline Vi vi_sub(Vi a, Vi b) { return _mm256_sub_epi32(a, b); }
-inline Vf vi_float(Vi a) { return _mm256_cvtepi32_ps(a); }
-constexpr int TILE_ROWS = 2;  // 16 registers: 2 x 2 vectors each of 16-bit sums and float sums
-#endif
 constexpr int GROUPS = 2, WIDTH = LANES * GROUPS;  // outputs a panel: two vectors
 
-#ifdef MIXSERVE_INT8_VNNI
-constexpr bool SIGNED_Q8 = false;  // Q8_0's (and int8 rows') quants + 128, unsigned as vpdpbusd's first operand wants
+#ifdef MIXSERVE_INT8_512
+constexpr bool SIGNED_Q8 = false;  // Q8_0's (int8 rows') quants + 128, unsigned as vpdpbusd's first operand
 #else
 constexpr bool SIGNED_Q8 = true;  // kept signed: |q| x (x with q's sign), as quant_dot.h's AVX2 path does
 #endif
@@ -130,7 +113,7 @@ inline int32_t quad(const int8_t* p) {
 // scale): quants (u - offset for Q4_0 / Q5_0 / Q8_0 + 128) x input row r.
 template <int TYPE, int ROWS, int T0 = 0, int T1 = 8>
 inline void block_dots(const uint8_t* q, const int8_t* const* xq, int64_t b, Vi (*dots)[GROUPS]) {
-#ifdef MIXSERVE_INT8_VNNI
+#ifdef MIXSERVE_INT8_512
     for (int r = 0; r < ROWS; ++r)
         for (int g = 0; g < GROUPS; ++g) dots[r][g] = vi_zero();
     for (int t = T0; t < T1; ++t) {
@@ -138,7 +121,7 @@ inline void block_dots(const uint8_t* q, const int8_t* const* xq, int64_t b, Vi 
         for (int g = 0; g < GROUPS; ++g) wv[g] = vi_load(q + (t * WIDTH + g * LANES) * 4);
         for (int r = 0; r < ROWS; ++r) {
             const Vi a = vi_set1(quad(xq[r] + b * 32 + 4 * t));
-            for (int g = 0; g < GROUPS; ++g) dots[r][g] = _mm512_dpbusd_epi32(dots[r][g], wv[g], a);
+            for (int g = 0; g < GROUPS; ++g) dots[r][g] = dpbusd(dots[r][g], wv[g], a);
         }
     }
 #else
@@ -278,6 +261,7 @@ int mixserve_quant_int8_panel_linear(int type, const float* x, int64_t ldx, int6
 #ifdef MIXSERVE_INT8_PANELS
     const int64_t be = mixserve::block_elems(type);
     if (be == 0 || k <= 0 || k % be != 0 || k % 32 != 0 || (type == mixserve::INT8_ROW && !scales)) return 1;
+    if (!EXACT_FOR_BYTES && (type == mixserve::Q8_0 || type == mixserve::INT8_ROW)) return 2;  // quants + 128
     const uint8_t* w = static_cast<const uint8_t*>(data);
 #define MIXSERVE_INT8_CASE(T) \
     case mixserve::T: \
