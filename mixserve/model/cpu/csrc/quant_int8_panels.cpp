@@ -4,7 +4,7 @@
 // 32, as quant_dot.h rounds them, and each thread's column panel decoded to bytes laid out for integer dots:
 // lane c of a vector holds 4 consecutive quants of output c, against one input's 4 bytes broadcast.
 // AVX512-VNNI: one vpdpbusd is 64 multiply-adds (16 outputs x 4), where float32 does 16 an FMA (AVX-512
-// without VNNI: vpmaddubsw + vpmaddwd, for the formats whose quants stay under 128). AVX2:
+// without VNNI: vpmaddubsw + vpmaddwd, signed quants kept signed as on AVX2). AVX2:
 // vpmaddubsw's 16-bit pair sums are added in 16 bits over a run of quads where they cannot overflow, then
 // widened once (vpmaddwd). The integer sums are exact; the scales and minimums meet them in float32.
 #include <immintrin.h>
@@ -30,7 +30,9 @@ using mixserve::WeightBlock;
 constexpr int GROUPS = 2, WIDTH = LANES * GROUPS;  // outputs a panel: two vectors
 
 #ifdef MIXSERVE_INT8_512
-constexpr bool SIGNED_Q8 = false;  // Q8_0's (int8 rows') quants + 128, unsigned as vpdpbusd's first operand
+// VNNI: Q8_0's (int8 rows') quants + 128, unsigned as vpdpbusd's first operand; without it kept signed, as
+// + 128 would overflow the 16-bit pair sums
+constexpr bool SIGNED_Q8 = !EXACT_FOR_BYTES;
 #else
 constexpr bool SIGNED_Q8 = true;  // kept signed: |q| x (x with q's sign), as quant_dot.h's AVX2 path does
 #endif
@@ -118,10 +120,20 @@ inline void block_dots(const uint8_t* q, const int8_t* const* xq, int64_t b, Vi 
         for (int g = 0; g < GROUPS; ++g) dots[r][g] = vi_zero();
     for (int t = T0; t < T1; ++t) {
         Vi wv[GROUPS];
-        for (int g = 0; g < GROUPS; ++g) wv[g] = vi_load(q + (t * WIDTH + g * LANES) * 4);
+        __mmask64 negative[GROUPS];  // signed quants (SIGNED_Q8): |q| x (x with q's sign), the sign by a mask
+        constexpr bool sign_trick = SIGNED_Q8 && mixserve::signed_quants<TYPE>();
+        for (int g = 0; g < GROUPS; ++g) {
+            wv[g] = vi_load(q + (t * WIDTH + g * LANES) * 4);
+            if constexpr (sign_trick) {
+                negative[g] = _mm512_movepi8_mask(wv[g]);
+                wv[g] = _mm512_abs_epi8(wv[g]);
+            }
+        }
         for (int r = 0; r < ROWS; ++r) {
             const Vi a = vi_set1(quad(xq[r] + b * 32 + 4 * t));
-            for (int g = 0; g < GROUPS; ++g) dots[r][g] = dpbusd(dots[r][g], wv[g], a);
+            for (int g = 0; g < GROUPS; ++g)
+                dots[r][g] = dpbusd(dots[r][g], wv[g],
+                                    sign_trick ? _mm512_mask_sub_epi8(a, negative[g], vi_zero(), a) : a);
         }
     }
 #else
@@ -261,7 +273,6 @@ int mixserve_quant_int8_panel_linear(int type, const float* x, int64_t ldx, int6
 #ifdef MIXSERVE_INT8_PANELS
     const int64_t be = mixserve::block_elems(type);
     if (be == 0 || k <= 0 || k % be != 0 || k % 32 != 0 || (type == mixserve::INT8_ROW && !scales)) return 1;
-    if (!EXACT_FOR_BYTES && (type == mixserve::Q8_0 || type == mixserve::INT8_ROW)) return 2;  // quants + 128
     const uint8_t* w = static_cast<const uint8_t*>(data);
 #define MIXSERVE_INT8_CASE(T) \
     case mixserve::T: \

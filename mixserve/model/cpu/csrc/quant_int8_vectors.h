@@ -21,7 +21,7 @@ constexpr int TILE_ROWS = 4;  // input rows a pass: 4 x 2 vectors of integer sum
 #ifdef __AVX512VNNI__
 constexpr bool EXACT_FOR_BYTES = true;  // any unsigned byte times a signed one
 inline Vi dpbusd(Vi acc, Vi u, Vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
-#else  // the pairs summed in 16 bits first, exact while u x s pairs stay under 2^15: u < 128 (not Q8_0's + 128)
+#else  // the pairs summed in 16 bits first, exact while u x s pairs stay under 2^15: u <= 128
 constexpr bool EXACT_FOR_BYTES = false;
 inline Vi dpbusd(Vi acc, Vi u, Vi s) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
