@@ -49,6 +49,12 @@ def even_decodes() -> list[Step]:
     return [[(i, c - 1, 1) for i, c in enumerate((30, 53, 90, 101, 118, 130))]]
 
 
+def verifies() -> list[Step]:
+    # decodes verifying 1-7 drafts (queries of 2-8 tokens), last tokens on both sides of windows and spans
+    ends = (2, 9, 17, 40, 129, 257, 300)
+    return [[(i, c - n, n) for i, (c, n) in enumerate(zip(ends, (2, 8, 3, 5, 8, 2, 4), strict=True))]]
+
+
 def one_chunk() -> list[Step]:
     return [[(0, 0, 75), (1, 90, 45)]]  # a first chunk, a chunk resuming at position 90
 
@@ -66,7 +72,7 @@ def mixed() -> list[Step]:
     return steps
 
 
-SCENARIOS = {"decodes": decodes, "even-decodes": even_decodes, "one-chunk": one_chunk,
+SCENARIOS = {"decodes": decodes, "even-decodes": even_decodes, "verifies": verifies, "one-chunk": one_chunk,
              **{f"chunks-{n}": functools.partial(chunked, n) for n in (5, 16, 37)}, "mixed": mixed}
 # id -> (forward's keywords, how far q is spread): softcap 50 with q spread so that scores pass the cap;
 # "scale" here is a factor of head_dim ** -0.5 (check makes it the scale itself)

@@ -139,6 +139,20 @@ def test_decodes_across_span_edges_match_the_definition(hq: int, hkv: int, d: in
     assert run_random_batch(0, hq, hkv, d, 16, dtype, layout=layout, q_scale=q_scale) < tol
 
 
+# A decode verifying drafts (2-8 query tokens) is one item over every KV head while its rows fit (n x hq <=
+# 128): each token a key fewer than the next, across span edges; 32 heads at 5+ tokens take the tiles instead.
+@both_builds
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (32, 8, 64), (8, 2, 128), (12, 4, 96)])
+def test_short_queries_across_span_edges_match_the_definition(hq: int, hkv: int, d: int,
+                                                              dtype: torch.dtype) -> None:
+    ends = (2, 17, 128, 129, 256, 257, 258, 300, 513)
+    layout = [(c - n, n) for c, n in zip(ends, (2, 8, 5, 2, 3, 8, 7, 4, 6), strict=True)]
+    tol = 2e-5 if dtype == torch.float32 else bf16_bound(d)
+    assert run_random_batch(0, hq, hkv, d, 16, dtype, layout=layout, q_scale=8.0) < tol
+    assert run_random_batch(1, hq, hkv, d, 16, dtype, layout=layout) < tol
+
+
 @both_builds
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (8, 2, 128)])
 def test_bf16_decodes_with_spread_scores_are_the_exact_answer_rounded(hq: int, hkv: int, d: int) -> None:

@@ -28,6 +28,10 @@ using namespace mixserve;
 
 namespace {
 
+// Queries of up to this many tokens (a decode and its drafts) take the decode item, which streams the K/V once
+// for every head and token, rather than an item per KV head (docs/decisions/short-queries-as-decodes.md).
+constexpr int64_t DECODE_RUN_TOKENS = 8;
+
 static_assert(KEY_TILE == 16, "a row's scores for one key tile are one vf16");
 
 // Scores of `rows` query rows against one transposed key tile: sc[r][j] = q_r . k_j. Four rows at a
@@ -176,14 +180,17 @@ void run(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* 
     items.reserve(num_seqs * sh.num_kv_heads);
     // Longest contexts first: with dynamic scheduling, the big prefill tiles start early and the cheap
     // decodes fill in behind them on whichever thread is free.
-    // A decode is one item over all KV heads (kv_head -1: attend_decode) where its rows fit a tile (and, in
-    // bf16 widened to float32, a key's row of every KV head fits the widening buffer).
+    // A decode, or a short query (a decode verifying drafts), is one item over all KV heads (kv_head -1:
+    // attend_decode) where its rows fit a tile (and, in bf16 widened to float32, a key's row of every KV head
+    // fits the widening buffer).
     const ItemKernels<T> kernels = item_kernels<T>(sh.head_dim);
     const bool whole = kernels.decode && sh.num_heads <= MAX_ROWS
                        && sh.num_kv_heads * sh.head_dim <= kernels.max_decode_row;
     for (int64_t s = 0; s < num_seqs; ++s) {
-        if (whole && query_start[s + 1] - query_start[s] == 1) {
-            items.push_back({s, -1, query_start[s], query_start[s] + 1});
+        const int64_t qlen = query_start[s + 1] - query_start[s];
+        const bool uncut = sh.window == 0 || seq_lens[s] <= sh.window;  // every token sees every key
+        if (whole && (qlen == 1 || (qlen <= DECODE_RUN_TOKENS && qlen * sh.num_heads <= MAX_ROWS && uncut))) {
+            items.push_back({s, -1, query_start[s], query_start[s + 1]});
             continue;
         }
         for (int64_t b = query_start[s]; b < query_start[s + 1]; b += tokens)
@@ -208,7 +215,7 @@ void run(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* 
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, grab)
     for (int64_t i = 0; i < n; ++i) {
         if (items[i].kv_head < 0) {
-            decode(items[i], q, k_cache, v_cache, out, seq_lens, block_tables, sh);
+            decode(items[i], q, k_cache, v_cache, out, seq_lens[items[i].seq], block_tables, sh);
             continue;
         }
         if (kernels.chunk && (items[i].q_end - items[i].q_begin) * G >= 8) {

@@ -105,13 +105,17 @@ constexpr bool decode_reads_in_place() {
     return sizeof(T) == sizeof(float) || (BF16_DOT && DC % 32 == 0);
 }
 
-// One decode (a single query token) over every KV head at once: a key's rows for all heads lie side by side
-// in the cache, so each block is streamed once, where an item per KV head read it num_kv_heads times at a
-// stride. CAP: the layer caps its scores (sh.softcap), compiled apart so the uncapped loop carries no branch.
+// A decode's query token, or a few consecutive ones (a decode verifying drafts), over every KV head at once: a
+// key's rows for all heads lie side by side in the cache, so each block is streamed once, where an item per KV
+// head read it num_kv_heads times at a stride. The last token sees keys 0..ctx - 1, each earlier one a key
+// fewer; no sliding window cuts any of them (the caller's rule). Row r is head r / n's query of token r % n,
+// so a KV head's rows are adjacent. CAP: the layer caps its scores (sh.softcap), compiled apart so the
+// uncapped loop carries no branch.
 template <typename T, int DC, bool CAP>
-void attend_decode(const Item& it, const T* q, const T* k_cache, const T* v_cache, T* out,
-                   const int64_t* seq_lens, const int64_t* block_tables, const Shape& sh) {
-    const int64_t nkv = sh.num_kv_heads, G = sh.num_heads / nkv, rows = sh.num_heads, ctx = seq_lens[it.seq];
+void attend_decode(const Item& it, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t ctx,
+                   const int64_t* block_tables, const Shape& sh) {
+    const int64_t n = it.q_end - it.q_begin, nkv = sh.num_kv_heads, G = sh.num_heads / nkv;
+    const int64_t rows = n * sh.num_heads, group = G * n;  // group: the rows of one KV head
     const int64_t* table = block_tables + it.seq * sh.max_blocks;
     const int64_t span = std::min<int64_t>(MAX_SPAN, SPAN_FLOATS / rows / KEY_TILE * KEY_TILE);
     alignas(64) float qs[MAX_ROWS][DC];
@@ -127,10 +131,11 @@ void attend_decode(const Item& it, const T* q, const T* k_cache, const T* v_cach
     alignas(64) float vw[KEY_TILE][W];
     alignas(64) static const uint16_t zero_row[DC] = {};
     const T *kraw[KEY_TILE], *kq[KEY_TILE], *vraw[KEY_TILE], *vq[KEY_TILE];
-    for (int64_t h = 0; h < rows; ++h) {
-        const T* src = q + it.q_begin * sh.q_stride_t + h * sh.q_stride_h;
-        for (int64_t d = 0; d < DC; ++d) qs[h][d] = load(src + d) * sh.scale, acc[h][d] = 0.f;
-        m[h] = NEG_BIG, l[h] = 0.f, ones[h] = 1.f;
+    auto q_row = [&](int64_t r) { return q + (it.q_begin + r % n) * sh.q_stride_t + r / n * sh.q_stride_h; };
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* src = q_row(r);
+        for (int64_t d = 0; d < DC; ++d) qs[r][d] = load(src + d) * sh.scale, acc[r][d] = 0.f;
+        m[r] = NEG_BIG, l[r] = 0.f, ones[r] = 1.f;
     }
     // K tiles of a span, then its V tiles, then the next span's: the feed runs PREFETCH_TILES tiles ahead of
     // that order, in small doses between pieces of arithmetic (one burst of a tile's prefetches stalled the
@@ -143,13 +148,13 @@ void attend_decode(const Item& it, const T* q, const T* k_cache, const T* v_cach
         else if (pos < 2 * nt) feed.aim(v_cache, table, s0 + (pos - nt) * KEY_TILE, ctx, kv_row, sh);
         else feed.aim(k_cache, table, s0 + span + (pos - 2 * nt) * KEY_TILE, ctx, kv_row, sh);
     };
-    const int64_t k_first = first_key(ctx - 1, sh);  // the token is at ctx - 1: it sees keys k_first..ctx - 1
+    const int64_t k_first = first_key(ctx - 1, sh);  // the last token is at ctx - 1: it sees keys k_first..ctx - 1
     for (int64_t t = 0; t < PREFETCH_TILES; ++t) {
         feed.aim(k_cache, table, k_first + t * KEY_TILE, ctx, kv_row, sh);
         feed.issue(feed.total());
     }
     for (int64_t s0 = k_first; s0 < ctx; s0 += span) {
-        const int64_t n = std::min<int64_t>(span, ctx - s0), nt = (n + KEY_TILE - 1) / KEY_TILE;
+        const int64_t keys = std::min<int64_t>(span, ctx - s0), nt = (keys + KEY_TILE - 1) / KEY_TILE;
         for (int64_t t = 0; t < nt; ++t) {  // every head's scores of the span
             const int64_t k0 = s0 + t * KEY_TILE, nk = std::min<int64_t>(KEY_TILE, ctx - k0);
             aim(s0, nt, t);
@@ -161,22 +166,25 @@ void attend_decode(const Item& it, const T* q, const T* k_cache, const T* v_cach
                     if constexpr (DOT) kq[j] = kraw[j] + hk * DC;
                     else kh[j] = krow[j] + hk * DC;
                 }
-                for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
-                    float* s = sc + h * span + t * KEY_TILE;
-                    if constexpr (DOT)
-                        row_scores_bf16<DC>(q + it.q_begin * sh.q_stride_t + h * sh.q_stride_h, kq, nk, sh.scale, s);
-                    else
-                        few_row_scores<DC, DC>(qs + h, kh, 1, nk, reinterpret_cast<float(*)[KEY_TILE]>(s));
+                for (int64_t r = hk * group; r < (hk + 1) * group; ++r) {
+                    float* s = sc + r * span + t * KEY_TILE;
+                    if constexpr (DOT) row_scores_bf16<DC>(q_row(r), kq, nk, sh.scale, s);
+                    else few_row_scores<DC, DC>(qs + r, kh, 1, nk, reinterpret_cast<float(*)[KEY_TILE]>(s));
                     feed.issue(dose);
                 }
             }
         }
         if constexpr (CAP)
             for (int64_t h = 0; h < rows; ++h) softcap_scores(sc + h * span, nt * KEY_TILE, sh.softcap);
-        for (int64_t h = 0; h < rows; ++h) {  // one online-softmax step a head
-            float* s = sc + h * span;
-            const float alpha = softmax_span_row(s, n, m[h], l[h], DOT ? pp + h * (span / 2) : nullptr);
-            for (int64_t d = 0; d < DC; d += 16) store16(acc[h] + d, load16(acc[h] + d) * alpha);
+        for (int64_t r = 0; r < rows; ++r) {  // one online-softmax step a row, over the keys its token sees
+            const int64_t seen = std::clamp<int64_t>(ctx - (n - 1 - r % n) - s0, 0, keys);
+            const int64_t from = (seen + KEY_TILE - 1) / KEY_TILE * KEY_TILE;  // whole tiles past them: zeros
+            float* s = sc + r * span;
+            int32_t* pairs = DOT ? pp + r * (span / 2) : nullptr;
+            const float alpha = softmax_span_row(s, seen, m[r], l[r], pairs);
+            if constexpr (DOT) std::fill(pairs + from / 2, pairs + nt * KEY_TILE / 2, 0);
+            else std::fill(s + from, s + nt * KEY_TILE, 0.f);
+            for (int64_t d = 0; d < DC; d += 16) store16(acc[r] + d, load16(acc[r] + d) * alpha);
         }
         for (int64_t t = 0; t < nt; ++t) {  // P.V over the span
             const int64_t k0 = s0 + t * KEY_TILE, nk = std::min<int64_t>(KEY_TILE, ctx - k0);
@@ -187,21 +195,21 @@ void attend_decode(const Item& it, const T* q, const T* k_cache, const T* v_cach
             for (int64_t hk = 0; hk < nkv; ++hk) {
                 if constexpr (DOT) {
                     for (int64_t j = 0; j < KEY_TILE; ++j) vq[j] = j < nk ? vraw[j] + hk * DC : zero_row;
-                    pairs_accumulate_bf16<DC>(acc + hk * G, pp + hk * G * (span / 2) + t * (KEY_TILE / 2),
-                                              span / 2, vq, G);
+                    pairs_accumulate_bf16<DC>(acc + hk * group, pp + hk * group * (span / 2) + t * (KEY_TILE / 2),
+                                              span / 2, vq, group);
                 } else {
                     for (int64_t j = 0; j < nk; ++j) vh[j] = vrow[j] + hk * DC;
-                    scale_accumulate<DC, DC>(acc + hk * G, ones, sc + hk * G * span + t * KEY_TILE, span, 1, vh,
-                                             nk, G);
+                    scale_accumulate<DC, DC>(acc + hk * group, ones, sc + hk * group * span + t * KEY_TILE, span, 1,
+                                             vh, nk, group);
                 }
                 feed.issue(dose);
             }
         }
     }
-    for (int64_t h = 0; h < rows; ++h) {
-        T* dst = out + it.q_begin * sh.o_stride_t + h * sh.o_stride_h;
-        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-        for (int64_t d = 0; d < DC; ++d) store(dst + d, acc[h][d] * inv);
+    for (int64_t r = 0; r < rows; ++r) {
+        T* dst = out + (it.q_begin + r % n) * sh.o_stride_t + r / n * sh.o_stride_h;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int64_t d = 0; d < DC; ++d) store(dst + d, acc[r][d] * inv);
     }
 }
 

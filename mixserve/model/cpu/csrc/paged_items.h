@@ -17,8 +17,7 @@ namespace mixserve {
 template <typename T>
 struct ItemKernels {
     int64_t max_decode_row = 0;  // the largest row of every KV head (elements) the decode item takes
-    void (*decode)(const Item&, const T*, const T*, const T*, T*, const int64_t*, const int64_t*,
-                   const Shape&) = nullptr;
+    void (*decode)(const Item&, const T*, const T*, const T*, T*, int64_t, const int64_t*, const Shape&) = nullptr;
     decltype(decode) decode_capped = nullptr;  // the decode item of a layer with a softcap
     void (*chunk)(const Item&, const T*, const T*, const T*, T*, const int64_t*, const int64_t*, const int64_t*,
                   const Shape&) = nullptr;
