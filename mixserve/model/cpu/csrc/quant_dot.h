@@ -248,6 +248,34 @@ void dot_q8_pass(const uint8_t* w, int64_t row_bytes, int cols, const RowQ8* x, 
         for (int r = 0; r < ROWS; ++r) sums[c][r] = hsum8(acc[c][r]) + mins[c][r];
 }
 
+// The pass for `rows` quantized input rows (at most 4) of a format known at run time
+template <int TYPE, int COLS2>
+void q8_rows_of(int rows, const uint8_t* w, int64_t row_bytes, int cols, const RowQ8* x, int64_t nb,
+                float (*sums)[8]) {
+    switch (rows) {
+        case 1: return dot_q8_pass<TYPE, COLS2, 1>(w, row_bytes, cols, x, nb, sums);
+        case 2: return dot_q8_pass<TYPE, COLS2, 2>(w, row_bytes, cols, x, nb, sums);
+        case 3: return dot_q8_pass<TYPE, COLS2, 3>(w, row_bytes, cols, x, nb, sums);
+        default: return dot_q8_pass<TYPE, COLS2, 4>(w, row_bytes, cols, x, nb, sums);
+    }
+}
+
+template <int COLS2>
+void q8_rows(int rows, int type, const uint8_t* w, int64_t row_bytes, int cols, const RowQ8* x,
+             int64_t nb, float (*sums)[8]) {
+    switch (type) {
+        case Q4_0: return q8_rows_of<Q4_0, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
+        case Q4_1: return q8_rows_of<Q4_1, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
+        case Q5_0: return q8_rows_of<Q5_0, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
+        case Q5_1: return q8_rows_of<Q5_1, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
+        case Q4_K: return q8_rows_of<Q4_K, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
+        case Q5_K: return q8_rows_of<Q5_K, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
+        case Q6_K: return q8_rows_of<Q6_K, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
+        case INT8_ROW: return q8_rows_of<INT8_ROW, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
+        default: return q8_rows_of<Q8_0, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
+    }
+}
+
 }  // namespace mixserve
 
 #endif  // AVX2 + FMA + F16C

@@ -19,6 +19,7 @@
 #include "quant_blocks.h"
 #include "quant_dot.h"
 #include "quant_fused.h"
+#include "quant_one_row.h"
 
 using mixserve::block_bytes;
 using mixserve::block_elems;
@@ -47,6 +48,8 @@ constexpr int64_t PANEL_ROWS = 6;
 // where they crossed the block kernel on 30 layers of Q4_1 (docs/decisions/int8-activations.md)
 constexpr int64_t INT8_PANEL_ROWS = 6;
 constexpr int PREFETCH_GROUPS = 2;  // how many groups of COLS rows ahead the float path prefetches
+// bytes of its weight rows a thread of the one-row kernel asks for ahead of the row it is on (quant_one_row.h)
+constexpr int64_t STREAM_AHEAD = 2048;
 
 #ifdef MIXSERVE_FEW_ROW_SIMD
 #if defined(__AVX512F__)
@@ -137,33 +140,6 @@ bool int8_dot_takes(int type, int64_t k) {
     return int8_dot_type(type) || (type == mixserve::INT8_ROW && k % 32 == 0);
 }
 
-template <int TYPE, int COLS2>
-void q8_rows_of(int rows, const uint8_t* w, int64_t row_bytes, int cols, const mixserve::RowQ8* x, int64_t nb,
-                float (*sums)[8]) {
-    switch (rows) {
-        case 1: return mixserve::dot_q8_pass<TYPE, COLS2, 1>(w, row_bytes, cols, x, nb, sums);
-        case 2: return mixserve::dot_q8_pass<TYPE, COLS2, 2>(w, row_bytes, cols, x, nb, sums);
-        case 3: return mixserve::dot_q8_pass<TYPE, COLS2, 3>(w, row_bytes, cols, x, nb, sums);
-        default: return mixserve::dot_q8_pass<TYPE, COLS2, 4>(w, row_bytes, cols, x, nb, sums);
-    }
-}
-
-template <int COLS2>
-void q8_rows(int rows, int type, const uint8_t* w, int64_t row_bytes, int cols, const mixserve::RowQ8* x,
-             int64_t nb, float (*sums)[8]) {
-    switch (type) {
-        case mixserve::Q4_0: return q8_rows_of<mixserve::Q4_0, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
-        case mixserve::Q4_1: return q8_rows_of<mixserve::Q4_1, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
-        case mixserve::Q5_0: return q8_rows_of<mixserve::Q5_0, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
-        case mixserve::Q5_1: return q8_rows_of<mixserve::Q5_1, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
-        case mixserve::Q4_K: return q8_rows_of<mixserve::Q4_K, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
-        case mixserve::Q5_K: return q8_rows_of<mixserve::Q5_K, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
-        case mixserve::Q6_K: return q8_rows_of<mixserve::Q6_K, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
-        case mixserve::INT8_ROW: return q8_rows_of<mixserve::INT8_ROW, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
-        default: return q8_rows_of<mixserve::Q8_0, COLS2>(rows, w, row_bytes, cols, x, nb, sums);
-    }
-}
-
 // The integer-dot product (quant_dot.h): the input rows quantized once, then columns in pairs, rows in fours;
 // int8 per channel's row scales applied to the sums.
 void linear_int8_dot(int type, const float* x, int64_t ldx, int64_t m, const uint8_t* w, int64_t row_bytes,
@@ -178,8 +154,17 @@ void linear_int8_dot(int type, const float* x, int64_t ldx, int64_t m, const uin
         mixserve::quantize_row_q8(x + r * ldx, k, xq.data() + r * k, xd.data() + r * nb, xs.data() + r * nb);
         rows[r] = {xq.data() + r * k, xd.data() + r * nb, xs.data() + r * nb};
     }
+    if (m == 1) {  // one weight row after another, a run of rows a thread, as the float one-row product
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 16 * num_threads)
+        for (int64_t j = 0; j < n; ++j) {
+            float sums[1][8];
+            mixserve::q8_rows<1>(1, type, w + j * row_bytes, row_bytes, 1, rows.data(), nb, sums);
+            out[j] = sums[0][0] * (type == mixserve::INT8_ROW ? scales[j] : 1.f) + (bias ? bias[j] : 0.f);
+        }
+        return;
+    }
     column_pairs<4>(m, n, bias, out, ldo, num_threads, [&](int rn, int64_t j0, int cols, int64_t r0, auto sums) {
-        q8_rows<PAIR>(rn, type, w + j0 * row_bytes, row_bytes, cols, rows.data() + r0, nb, sums);
+        mixserve::q8_rows<PAIR>(rn, type, w + j0 * row_bytes, row_bytes, cols, rows.data() + r0, nb, sums);
         if (type == mixserve::INT8_ROW)
             for (int c = 0; c < cols; ++c)
                 for (int r = 0; r < rn; ++r) sums[c][r] *= scales[j0 + c];
@@ -243,6 +228,10 @@ int mixserve_quant_linear(int type, const float* x, int64_t ldx, int64_t m, cons
                                            num_threads);
 #endif
 #ifdef MIXSERVE_QUANT_FUSED
+    if (fused_type(type, k) && m == 1) {
+        mixserve::one_row_linear(type, x, w, row_bytes, n, k, scales, bias, out, num_threads, STREAM_AHEAD);
+        return 0;
+    }
     if (fused_type(type, k)) {
         linear_fused(type, x, ldx, m, w, row_bytes, n, k, scales, bias, out, ldo, num_threads);
         return 0;
