@@ -3,9 +3,10 @@
 // few-row kernel's panels instead: quant_panels.cpp).
 //
 // A decode step is bound by the bytes it reads, so the weight stays in its blocks: a thread walks its own run
-// of output columns (rows of w, contiguous in the file), prefetching the rows ahead. The GGUF formats decode
-// each block in registers and multiply it there (quant_fused.h), int8 per channel too where k is a multiple
-// of 32; other int8 rows decode COLS rows into float32 in L1 and dot them with every input row from there.
+// of output columns (rows of w, contiguous in the file), prefetching the rows ahead: up to ROW_WALK_ROWS input
+// rows a weight row at a time (quant_row_walk.h), more two weight rows a block at a time. The GGUF formats
+// decode each block in registers and multiply it there (quant_fused.h), int8 per channel too where k is a
+// multiple of 32; other int8 rows decode COLS rows into float32 in L1 and dot them with every input row from there.
 // Either way the products are float32 on the decoded weights, so the result equals dequantize-then-matmul up to
 // float32 rounding. The integer dots on int8-rounded inputs (quant_dot.h, llama.cpp's way) are the opt-in
 // `int8_activations` (docs/decisions/int8-activations.md).
@@ -19,7 +20,7 @@
 #include "quant_blocks.h"
 #include "quant_dot.h"
 #include "quant_fused.h"
-#include "quant_one_row.h"
+#include "quant_row_walk.h"
 
 using mixserve::block_bytes;
 using mixserve::block_elems;
@@ -48,8 +49,10 @@ constexpr int64_t PANEL_ROWS = 6;
 // where they crossed the block kernel on 30 layers of Q4_1 (docs/decisions/int8-activations.md)
 constexpr int64_t INT8_PANEL_ROWS = 6;
 constexpr int PREFETCH_GROUPS = 2;  // how many groups of COLS rows ahead the float path prefetches
-// bytes of its weight rows a thread of the one-row kernel asks for ahead of the row it is on (quant_one_row.h)
-constexpr int64_t STREAM_AHEAD = 2048;
+// Up to this many input rows (a decode step verifying up to 4 drafts) the block kernels walk a weight row at a
+// time (quant_row_walk.h), asking for STREAM_AHEAD bytes beyond it; from 6 rows (AVX2 too) the pair walk's
+// shared input loads win (docs/decisions/quantized-weights-in-place.md)
+constexpr int64_t ROW_WALK_ROWS = 5, STREAM_AHEAD = 2048;
 
 #ifdef MIXSERVE_FEW_ROW_SIMD
 #if defined(__AVX512F__)
@@ -228,8 +231,9 @@ int mixserve_quant_linear(int type, const float* x, int64_t ldx, int64_t m, cons
                                            num_threads);
 #endif
 #ifdef MIXSERVE_QUANT_FUSED
-    if (fused_type(type, k) && m == 1) {
-        mixserve::one_row_linear(type, x, w, row_bytes, n, k, scales, bias, out, num_threads, STREAM_AHEAD);
+    if (fused_type(type, k) && m <= ROW_WALK_ROWS) {
+        mixserve::row_walk_linear(type, x, ldx, m, w, row_bytes, n, k, scales, bias, out, ldo, num_threads,
+                                  STREAM_AHEAD);
         return 0;
     }
     if (fused_type(type, k)) {
