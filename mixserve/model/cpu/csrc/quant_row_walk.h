@@ -24,6 +24,19 @@ inline float one_row_dot32(const uint8_t* row, const float* x, int64_t nb) {
     const int64_t BB = TYPE == INT8_ROW ? 32 : block_bytes(TYPE);
     Vf acc[4] = {vzero(), vzero(), vzero(), vzero()};
     const auto block = [&](const uint8_t* b, const float* xb, Vf& lo_sum, Vf& hi_sum) {
+#if defined(__AVX512F__)
+        if constexpr (TYPE == Q4_0 || TYPE == Q4_1) {  // both nibbles from one widening: element j low, j + 16 high
+            const float d = half_to_float(read_half(b));
+            const Vf dv = vbroadcast(d), mv = vbroadcast(TYPE == Q4_0 ? -8 * d : half_to_float(read_half(b + 2)));
+            const __m512i q = _mm512_cvtepu8_epi32(load16(b + (TYPE == Q4_0 ? 2 : 4)));
+            const __m512i nib = _mm512_set1_epi32(0x0f);
+            const Vf lo = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_and_si512(q, nib)), mv);
+            const Vf hi = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), mv);
+            lo_sum = vfmadd(lo, vload(xb), lo_sum);
+            hi_sum = vfmadd(hi, vload(xb + 16), hi_sum);
+            return;
+        }
+#endif
         const Block32 q = block32<TYPE>(b);
         const Vf d = vbroadcast(q.d), m = vbroadcast(q.m);
         Vf lo[V16], hi[V16];
