@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "quant_fused.h"
 
@@ -25,15 +26,23 @@ inline float one_row_dot32(const uint8_t* row, const float* x, int64_t nb) {
     Vf acc[4] = {vzero(), vzero(), vzero(), vzero()};
     const auto block = [&](const uint8_t* b, const float* xb, Vf& lo_sum, Vf& hi_sum) {
 #if defined(__AVX512F__)
-        if constexpr (TYPE == Q4_0 || TYPE == Q4_1) {  // both nibbles from one widening: element j low, j + 16 high
+        if constexpr (TYPE == Q4_0 || TYPE == Q4_1 || TYPE == Q5_0 || TYPE == Q5_1) {
+            // both nibbles from one widening (element j low, j + 16 high); Q5's fifth bits as lane masks
+            constexpr int QS = TYPE == Q4_0 ? 2 : TYPE == Q4_1 ? 4 : TYPE == Q5_0 ? 6 : 8;  // where the quants start
             const float d = half_to_float(read_half(b));
-            const Vf dv = vbroadcast(d), mv = vbroadcast(TYPE == Q4_0 ? -8 * d : half_to_float(read_half(b + 2)));
-            const __m512i q = _mm512_cvtepu8_epi32(load16(b + (TYPE == Q4_0 ? 2 : 4)));
-            const __m512i nib = _mm512_set1_epi32(0x0f);
-            const Vf lo = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_and_si512(q, nib)), mv);
-            const Vf hi = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), mv);
-            lo_sum = vfmadd(lo, vload(xb), lo_sum);
-            hi_sum = vfmadd(hi, vload(xb + 16), hi_sum);
+            const float m = TYPE == Q4_0 ? -8 * d : TYPE == Q5_0 ? -16 * d : half_to_float(read_half(b + 2));
+            const __m512i q = _mm512_cvtepu8_epi32(load16(b + QS)), nib = _mm512_set1_epi32(0x0f);
+            __m512i qlo = _mm512_and_si512(q, nib), qhi = _mm512_srli_epi32(q, 4);
+            if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
+                uint32_t bits;
+                memcpy(&bits, b + QS - 4, sizeof bits);
+                const __m512i fifth = _mm512_set1_epi32(16);
+                qlo = _mm512_mask_or_epi32(qlo, static_cast<__mmask16>(bits), qlo, fifth);
+                qhi = _mm512_mask_or_epi32(qhi, static_cast<__mmask16>(bits >> 16), qhi, fifth);
+            }
+            const Vf dv = vbroadcast(d), mv = vbroadcast(m);
+            lo_sum = vfmadd(_mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(qlo), mv), vload(xb), lo_sum);
+            hi_sum = vfmadd(_mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(qhi), mv), vload(xb + 16), hi_sum);
             return;
         }
 #endif
