@@ -5,6 +5,7 @@
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "few_row_simd.h"
 #include "quant_dot.h"
@@ -42,8 +43,8 @@ inline Block32 block32(const uint8_t* b) {
     }
 }
 
-constexpr int V16 = 16 / LANES;
-constexpr int block_elems_of(int type) { return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32; }  // vectors of 16 floats
+constexpr int V16 = 16 / LANES;  // vectors a run of 16 floats takes
+constexpr int block_elems_of(int type) { return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32; }
 
 // 16 quants -> 16 weights d q + m, as V16 vectors
 template <bool SIGNED>
@@ -58,6 +59,38 @@ inline void weights16(__m128i q, Vf d, Vf m, Vf* w) {
     w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(a), m);
     w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(b), m);
 #endif
+}
+
+// A 32-element block's weights d q + m as V16 vectors each of elements 0-15 (lo) and 16-31 (hi). On AVX-512
+// the 4- and 5-bit formats widen their 16 quant bytes once and take both nibbles from them (element j low,
+// j + 16 high), Q5's fifth bits OR-ed in under lane masks: fewer instructions than two byte-wise halves.
+template <int TYPE>
+inline void block_weights(const uint8_t* b, Vf* lo, Vf* hi) {
+#if defined(__AVX512F__)
+    if constexpr (TYPE == Q4_0 || TYPE == Q4_1 || TYPE == Q5_0 || TYPE == Q5_1) {
+        constexpr int QS = TYPE == Q4_0 ? 2 : TYPE == Q4_1 ? 4 : TYPE == Q5_0 ? 6 : 8;  // where the quants start
+        const float d = half_to_float(read_half(b));
+        const float m = TYPE == Q4_0 ? -8 * d : TYPE == Q5_0 ? -16 * d : half_to_float(read_half(b + 2));
+        const __m512i q = _mm512_cvtepu8_epi32(load16(b + QS));
+        __m512i qlo = _mm512_and_si512(q, _mm512_set1_epi32(0x0f)), qhi = _mm512_srli_epi32(q, 4);
+        if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
+            uint32_t bits;  // bit j: element j's fifth bit
+            memcpy(&bits, b + QS - 4, sizeof bits);
+            const __m512i fifth = _mm512_set1_epi32(16);
+            qlo = _mm512_mask_or_epi32(qlo, static_cast<__mmask16>(bits), qlo, fifth);
+            qhi = _mm512_mask_or_epi32(qhi, static_cast<__mmask16>(bits >> 16), qhi, fifth);
+        }
+        const Vf dv = vbroadcast(d), mv = vbroadcast(m);
+        lo[0] = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(qlo), mv);
+        hi[0] = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(qhi), mv);
+        return;
+    }
+#endif
+    constexpr bool SIGNED = TYPE == Q8_0 || TYPE == INT8_ROW;
+    const Block32 q = block32<TYPE>(b);
+    const Vf d = vbroadcast(q.d), m = vbroadcast(q.m);
+    weights16<SIGNED>(q.lo, d, m, lo);
+    weights16<SIGNED>(q.hi, d, m, hi);
 }
 
 #if defined(__AVX512F__)
@@ -81,11 +114,8 @@ void fused_pass(const uint8_t* w, int64_t row_bytes, int cols, const float* x, i
             for (int h = 0; h < H; ++h) acc[c][r][h] = vzero();
     walk_blocks<COLS2>(w, row_bytes, cols, nb, TYPE == INT8_ROW ? 32 : block_bytes(TYPE),
                        [&](int c, int64_t b, const uint8_t* blk) {
-        const Block32 q = block32<TYPE>(blk);
-        const Vf d = vbroadcast(q.d), m = vbroadcast(q.m);
         Vf lo[V16], hi[V16];
-        weights16<TYPE == Q8_0 || TYPE == INT8_ROW>(q.lo, d, m, lo);
-        weights16<TYPE == Q8_0 || TYPE == INT8_ROW>(q.hi, d, m, hi);
+        block_weights<TYPE>(blk, lo, hi);
         for (int r = 0; r < ROWS; ++r) {
             const float* xr = x + r * ldx + 32 * b;
             for (int v = 0; v < V16; ++v) {

@@ -10,7 +10,6 @@
 #include <stdint.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "quant_fused.h"
 
@@ -21,36 +20,11 @@ namespace mixserve {
 // dot(weight row `row`, x) over nb blocks of a 32-element format (Q4_0 .. Q8_0, INT8_ROW unscaled)
 template <int TYPE>
 inline float one_row_dot32(const uint8_t* row, const float* x, int64_t nb) {
-    constexpr bool SIGNED = TYPE == Q8_0 || TYPE == INT8_ROW;
     const int64_t BB = TYPE == INT8_ROW ? 32 : block_bytes(TYPE);
     Vf acc[4] = {vzero(), vzero(), vzero(), vzero()};
     const auto block = [&](const uint8_t* b, const float* xb, Vf& lo_sum, Vf& hi_sum) {
-#if defined(__AVX512F__)
-        if constexpr (TYPE == Q4_0 || TYPE == Q4_1 || TYPE == Q5_0 || TYPE == Q5_1) {
-            // both nibbles from one widening (element j low, j + 16 high); Q5's fifth bits as lane masks
-            constexpr int QS = TYPE == Q4_0 ? 2 : TYPE == Q4_1 ? 4 : TYPE == Q5_0 ? 6 : 8;  // where the quants start
-            const float d = half_to_float(read_half(b));
-            const float m = TYPE == Q4_0 ? -8 * d : TYPE == Q5_0 ? -16 * d : half_to_float(read_half(b + 2));
-            const __m512i q = _mm512_cvtepu8_epi32(load16(b + QS)), nib = _mm512_set1_epi32(0x0f);
-            __m512i qlo = _mm512_and_si512(q, nib), qhi = _mm512_srli_epi32(q, 4);
-            if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
-                uint32_t bits;
-                memcpy(&bits, b + QS - 4, sizeof bits);
-                const __m512i fifth = _mm512_set1_epi32(16);
-                qlo = _mm512_mask_or_epi32(qlo, static_cast<__mmask16>(bits), qlo, fifth);
-                qhi = _mm512_mask_or_epi32(qhi, static_cast<__mmask16>(bits >> 16), qhi, fifth);
-            }
-            const Vf dv = vbroadcast(d), mv = vbroadcast(m);
-            lo_sum = vfmadd(_mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(qlo), mv), vload(xb), lo_sum);
-            hi_sum = vfmadd(_mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(qhi), mv), vload(xb + 16), hi_sum);
-            return;
-        }
-#endif
-        const Block32 q = block32<TYPE>(b);
-        const Vf d = vbroadcast(q.d), m = vbroadcast(q.m);
         Vf lo[V16], hi[V16];
-        weights16<SIGNED>(q.lo, d, m, lo);
-        weights16<SIGNED>(q.hi, d, m, hi);
+        block_weights<TYPE>(b, lo, hi);
         for (int v = 0; v < V16; ++v) {
             lo_sum = vfmadd(lo[v], vload(xb + LANES * v), lo_sum);
             hi_sum = vfmadd(hi[v], vload(xb + 16 + LANES * v), hi_sum);
@@ -69,16 +43,12 @@ inline float one_row_dot32(const uint8_t* row, const float* x, int64_t nb) {
 // each block decoded once for the R rows, two chains of sums a row
 template <int TYPE, int R>
 inline void rows_dot32(const uint8_t* row, const float* x, int64_t ldx, int64_t nb, float* sums) {
-    constexpr bool SIGNED = TYPE == Q8_0 || TYPE == INT8_ROW;
     const int64_t BB = TYPE == INT8_ROW ? 32 : block_bytes(TYPE);
     Vf acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
     for (int64_t b = 0; b < nb; ++b) {
-        const Block32 q = block32<TYPE>(row + b * BB);
-        const Vf d = vbroadcast(q.d), m = vbroadcast(q.m);
         Vf lo[V16], hi[V16];
-        weights16<SIGNED>(q.lo, d, m, lo);
-        weights16<SIGNED>(q.hi, d, m, hi);
+        block_weights<TYPE>(row + b * BB, lo, hi);
         for (int r = 0; r < R; ++r)
             for (int v = 0; v < V16; ++v) {
                 acc[r][0] = vfmadd(lo[v], vload(x + r * ldx + 32 * b + LANES * v), acc[r][0]);
