@@ -171,7 +171,7 @@ template <int ROWS, int H>
 inline void q6_k_block(const uint8_t* blk, const float* x, int64_t ldx, Vf (*acc)[H]) {
     q6_k_sixteens(blk, [&](int at, __m128i q, float s) {
         Vf w[V16];
-        weights16<false>(q, vbroadcast(s), vbroadcast(-32 * s), w);
+        weights16<true>(_mm_sub_epi8(q, _mm_set1_epi8(32)), vbroadcast(s), vzero(), w);  // s (q - 32): one broadcast
         fma_span<ROWS, H, V16>(w, x + at, ldx, (at / 32) & (H - 1), acc);  // quarters alternate sums
     });
 }
