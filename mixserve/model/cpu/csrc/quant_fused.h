@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
+
 #include "few_row_simd.h"
 #include "quant_dot.h"
 
@@ -201,22 +203,22 @@ void fused_pass_of(const uint8_t* w, int64_t row_bytes, int cols, const float* x
     else fused_pass<TYPE, ROWS>(w, row_bytes, cols, x, ldx, nb, sums);
 }
 
+// f(std::integral_constant<int, R>{}) with R = rows as a compile-time count (1..MAX; more rows: MAX), for the
+// passes whose sums live in registers
+template <int MAX, typename F>
+inline void with_rows(int rows, F&& f) {
+    if constexpr (MAX > 1)
+        if (rows < MAX) return with_rows<MAX - 1>(rows, f);
+    f(std::integral_constant<int, MAX>{});
+}
+
 // The pass for `rows` input rows (at most FUSED_ROWS) of a format known at run time
 template <int TYPE>
 void fused_rows_of(int rows, const uint8_t* w, int64_t row_bytes, int cols, const float* x, int64_t ldx,
                    int64_t nb, float (*sums)[8]) {
-    switch (rows) {
-        case 1: return fused_pass_of<TYPE, 1>(w, row_bytes, cols, x, ldx, nb, sums);
-#if defined(__AVX512F__)  // FUSED_ROWS is 8 there, 2 on AVX2
-        case 2: return fused_pass_of<TYPE, 2>(w, row_bytes, cols, x, ldx, nb, sums);
-        case 3: return fused_pass_of<TYPE, 3>(w, row_bytes, cols, x, ldx, nb, sums);
-        case 4: return fused_pass_of<TYPE, 4>(w, row_bytes, cols, x, ldx, nb, sums);
-        case 5: return fused_pass_of<TYPE, 5>(w, row_bytes, cols, x, ldx, nb, sums);
-        case 6: return fused_pass_of<TYPE, 6>(w, row_bytes, cols, x, ldx, nb, sums);
-        case 7: return fused_pass_of<TYPE, 7>(w, row_bytes, cols, x, ldx, nb, sums);
-#endif
-        default: return fused_pass_of<TYPE, FUSED_ROWS>(w, row_bytes, cols, x, ldx, nb, sums);
-    }
+    with_rows<FUSED_ROWS>(rows, [&](auto r) {
+        fused_pass_of<TYPE, decltype(r)::value>(w, row_bytes, cols, x, ldx, nb, sums);
+    });
 }
 
 inline void fused_rows(int type, int rows, const uint8_t* w, int64_t row_bytes, int cols, const float* x, int64_t ldx,

@@ -83,18 +83,7 @@ inline void row_sums(const uint8_t* row, const float* x, int64_t ldx, int64_t nb
 // sums[r] = dot(weight row, x row r) for `rows` (<= FUSED_ROWS) input rows
 template <int TYPE>
 inline void row_sums_of(int rows, const uint8_t* row, const float* x, int64_t ldx, int64_t nb, float* sums) {
-    switch (rows) {
-        case 1: return row_sums<TYPE, 1>(row, x, ldx, nb, sums);
-#if defined(__AVX512F__)
-        case 2: return row_sums<TYPE, 2>(row, x, ldx, nb, sums);
-        case 3: return row_sums<TYPE, 3>(row, x, ldx, nb, sums);
-        case 4: return row_sums<TYPE, 4>(row, x, ldx, nb, sums);
-        case 5: return row_sums<TYPE, 5>(row, x, ldx, nb, sums);
-        case 6: return row_sums<TYPE, 6>(row, x, ldx, nb, sums);
-        case 7: return row_sums<TYPE, 7>(row, x, ldx, nb, sums);
-#endif
-        default: return row_sums<TYPE, FUSED_ROWS>(row, x, ldx, nb, sums);
-    }
+    with_rows<FUSED_ROWS>(rows, [&](auto r) { row_sums<TYPE, decltype(r)::value>(row, x, ldx, nb, sums); });
 }
 
 // out[r, j] = dot(w row j, x row r) (x scales[j] for INT8_ROW) + bias[j] for r < m, j < n: threads split
